@@ -1,0 +1,1 @@
+"""The ``kvflow`` command line: see :mod:`kvflow_agents.cli.main`."""

@@ -1,0 +1,46 @@
+"""``kvflow`` — the command line.
+
+Each feature area owns one module in this package with a ``register(app, bench_app)`` function
+that adds its commands. Modules import their heavy dependencies (torch, langgraph, …) inside the
+command bodies, so ``kvflow --help`` stays fast and works on a core install.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="kvflow",
+    help="kvflow-agents: workflow-aware KV-cache management for multi-agent LLM apps (KVFlow).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(
+    help="Benchmarks. Each prints ratios measured side by side in one run.",
+    no_args_is_help=True,
+)
+app.add_typer(bench_app, name="bench")
+
+# One line per feature module; keep the list sorted by area.
+_COMMAND_MODULES = [
+    "kvflow_agents.cli.graph_cmds",
+]
+
+
+def _register() -> None:
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(app, bench_app)
+
+
+_register()
+
+
+def main() -> None:  # console-script entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,77 @@
+"""Which hints apply to the LLM request being sent right now.
+
+Two sources, checked in order:
+1. an explicit ``with kvflow.hints(...)`` block (a contextvar, so it follows asyncio tasks and
+   ``contextvars.copy_context()`` as LangGraph's executor uses it);
+2. *providers* registered by adapters (LangGraph, AutoGen): callables that look at the
+   framework's own context (the running node) and return hints or ``None``.
+
+Transports call :func:`current_hints` once per request. A provider that raises is logged and
+skipped: hints are advisory and must never fail the user's request.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+from .protocol import Hints
+
+log = logging.getLogger("kvflow_agents")
+
+HintProvider = Callable[[], Optional[Hints]]
+
+_explicit: contextvars.ContextVar[Optional[Hints]] = contextvars.ContextVar("kvflow_hints", default=None)
+_providers: list[HintProvider] = []
+_providers_lock = threading.Lock()
+
+
+@contextmanager
+def hints(h: Hints | None = None, /, **fields: Any) -> Iterator[Hints]:
+    """Attach hints to every LLM request sent inside the block::
+
+        with kvflow.hints(workflow="w1", agent="planner", ste={"planner": 0, "coder": 1}):
+            client.chat.completions.create(...)
+    """
+    if h is None:
+        h = Hints(**fields)
+    elif fields:
+        h = h.model_copy(update=fields)
+    token = _explicit.set(h)
+    try:
+        yield h
+    finally:
+        _explicit.reset(token)
+
+
+def register_hint_provider(provider: HintProvider) -> HintProvider:
+    """Add a provider (idempotent). Returns it, so it can be used as a decorator."""
+    with _providers_lock:
+        if provider not in _providers:
+            _providers.append(provider)
+    return provider
+
+
+def unregister_hint_provider(provider: HintProvider) -> None:
+    with _providers_lock:
+        if provider in _providers:
+            _providers.remove(provider)
+
+
+def current_hints() -> Optional[Hints]:
+    """The hints for a request sent from the current context, or ``None``."""
+    h = _explicit.get()
+    if h is not None:
+        return h
+    for provider in tuple(_providers):
+        try:
+            h = provider()
+        except Exception:  # noqa: BLE001 — a broken provider must not fail the request
+            log.debug("kvflow hint provider %r failed", provider, exc_info=True)
+            continue
+        if h is not None:
+            return h
+    return None

@@ -1,0 +1,219 @@
+"""Hints v1: what an instrumented app tells the serving engine with every LLM request.
+
+On the wire the hints travel in the OpenAI request body as ``custom_params`` with flat
+``kvflow_*`` keys. SGLang's ``custom_params`` accepts only scalars, lists of scalars and flat
+dicts (it must stay msgpack-safe), so this form reaches SGLang's ``Req`` unchanged::
+
+    {"custom_params": {"kvflow_v": 1, "kvflow_workflow": "thread-7", "kvflow_app": "peer",
+                       "kvflow_agent": "planner", "kvflow_step": 3,
+                       "kvflow_ste": {"planner": 0, "executor": 1, "reviewer": null},
+                       "kvflow_next": ["executor"], "kvflow_fixed_messages": 1}}
+
+``null`` in ``kvflow_ste`` means infinity: the agent cannot run again in this workflow, so its
+cache may go first. The ids are mirrored in headers ``X-KVFlow-Workflow`` / ``X-KVFlow-Agent``
+for routers and logs. The same flat dict (plus ``kvflow_event``) is the body of the server's
+out-of-band endpoint ``POST /kvflow/v1/hints`` for transitions that send no LLM request.
+
+Hints are advisory. A server reads them with :meth:`Hints.from_custom_params`, which raises
+:class:`HintError` naming the bad key; the server then ignores the hints and still answers.
+Values from the wire are not trusted: ids and maps are bounded, STE values are clipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+PROTOCOL_VERSION = 1
+PREFIX = "kvflow_"
+HEADER_WORKFLOW = "X-KVFlow-Workflow"
+HEADER_AGENT = "X-KVFlow-Agent"
+HEADER_REJECTED = "x-kvflow-hints"  # response header: "rejected: <reason>"
+
+MAX_ID_LEN = 256
+MAX_STE_AGENTS = 1024
+MAX_STE = 1_000_000  # larger finite values are clipped; they mean "far away" anyway
+MAX_STEP = 2**31 - 1
+MAX_FIXED_MESSAGES = 4096
+
+EVENTS = ("transition", "end")
+
+
+class HintError(ValueError):
+    """Malformed hints. ``key`` names the offending wire key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.reason = message
+
+
+def _check_id(key: str, value: Any, *, optional: bool = False) -> Optional[str]:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value:
+        raise HintError(key, f"must be a non-empty string, got {type(value).__name__}")
+    if len(value) > MAX_ID_LEN:
+        raise HintError(key, f"longer than {MAX_ID_LEN} characters")
+    return value
+
+
+def _ste_value(key: str, agent: str, v: Any) -> float:
+    if v is None:
+        return math.inf
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise HintError(key, f"STE of {agent!r} must be an integer or null, got {v!r}")
+    if isinstance(v, float):
+        if math.isnan(v):
+            raise HintError(key, f"STE of {agent!r} is NaN")
+        if math.isinf(v):
+            return math.inf if v > 0 else 0
+    if v < 0:
+        raise HintError(key, f"STE of {agent!r} is negative ({v})")
+    return min(int(v), MAX_STE)
+
+
+class Hints(BaseModel):
+    """Hints v1 for one LLM request (or one out-of-band transition)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    workflow: str = Field(description="One workflow instance: a LangGraph thread, an AutoGen run.")
+    agent: str = Field(description="The agent sending this request.")
+    step: int = Field(0, ge=0, description="Workflow step (Pregel super-step) of this request.")
+    ste: dict[str, float] = Field(default_factory=dict,
+                                  description="Steps-to-execution per agent; inf = never again.")
+    next: list[str] = Field(default_factory=list, description="Agents expected to run next.")
+    app: Optional[str] = Field(None, description="Shared by all instances of one app.")
+    fixed_messages: Optional[int] = Field(
+        None, ge=0, description="How many leading messages are the agent's fixed prompt.")
+    event: Optional[Literal["transition", "end"]] = Field(
+        None, description="Out-of-band only: 'end' releases the workflow.")
+
+    @field_validator("workflow", "agent")
+    @classmethod
+    def _ids(cls, v: str, info) -> str:
+        return _check_id(PREFIX + info.field_name, v)  # type: ignore[return-value]
+
+    @field_validator("ste", mode="before")
+    @classmethod
+    def _ste_none_is_inf(cls, v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return {a: (math.inf if x is None else x) for a, x in v.items()}
+        return v
+
+    # ---------------------------------------------------------------- wire form
+    def to_custom_params(self) -> dict[str, Any]:
+        """Flat ``kvflow_*`` keys; values are scalars, lists of scalars or flat dicts."""
+        out: dict[str, Any] = {
+            "kvflow_v": PROTOCOL_VERSION,
+            "kvflow_workflow": self.workflow,
+            "kvflow_agent": self.agent,
+            "kvflow_step": self.step,
+            "kvflow_ste": {a: (None if math.isinf(v) else int(v)) for a, v in self.ste.items()},
+            "kvflow_next": list(self.next),
+        }
+        if self.app is not None:
+            out["kvflow_app"] = self.app
+        if self.fixed_messages is not None:
+            out["kvflow_fixed_messages"] = self.fixed_messages
+        if self.event is not None:
+            out["kvflow_event"] = self.event
+        return out
+
+    def headers(self) -> dict[str, str]:
+        """Headers mirroring the ids, for routers and access logs (ASCII-safe)."""
+        def safe(s: str) -> str:
+            return s.encode("ascii", "backslashreplace").decode("ascii")[:MAX_ID_LEN]
+
+        return {HEADER_WORKFLOW: safe(self.workflow), HEADER_AGENT: safe(self.agent)}
+
+    @classmethod
+    def from_custom_params(cls, params: Mapping[str, Any] | None) -> Optional["Hints"]:
+        """Parse and validate wire hints. ``None`` when the request carries no ``kvflow_*``
+        key at all (an uninstrumented client); :class:`HintError` when they are malformed.
+        Unknown ``kvflow_*`` keys are ignored (forward compatibility within v1)."""
+        if params is None:
+            return None
+        if not isinstance(params, Mapping):
+            raise HintError("custom_params", f"must be an object, got {type(params).__name__}")
+        if not any(isinstance(k, str) and k.startswith(PREFIX) for k in params):
+            return None
+        v = params.get("kvflow_v", None)
+        if v is None:
+            raise HintError("kvflow_v", "missing protocol version")
+        if isinstance(v, bool) or v != PROTOCOL_VERSION:
+            raise HintError("kvflow_v", f"unsupported protocol version {v!r} (this server speaks {PROTOCOL_VERSION})")
+        workflow = _check_id("kvflow_workflow", params.get("kvflow_workflow"))
+        agent = _check_id("kvflow_agent", params.get("kvflow_agent"))
+        app = _check_id("kvflow_app", params.get("kvflow_app"), optional=True)
+
+        step = params.get("kvflow_step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise HintError("kvflow_step", f"must be a non-negative integer, got {step!r}")
+        step = min(step, MAX_STEP)
+
+        raw_ste = params.get("kvflow_ste", {})
+        if not isinstance(raw_ste, Mapping):
+            raise HintError("kvflow_ste", f"must be an object of agent -> int|null, got {type(raw_ste).__name__}")
+        if len(raw_ste) > MAX_STE_AGENTS:
+            raise HintError("kvflow_ste", f"more than {MAX_STE_AGENTS} agents")
+        ste = {}
+        for a, val in raw_ste.items():
+            _check_id("kvflow_ste", a)
+            ste[a] = _ste_value("kvflow_ste", a, val)
+
+        nxt = params.get("kvflow_next", [])
+        if not isinstance(nxt, list) or len(nxt) > MAX_STE_AGENTS:
+            raise HintError("kvflow_next", f"must be a list of at most {MAX_STE_AGENTS} agent names")
+        nxt = [_check_id("kvflow_next", a) for a in nxt]
+
+        fixed = params.get("kvflow_fixed_messages", None)
+        if fixed is not None:
+            if isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 0:
+                raise HintError("kvflow_fixed_messages", f"must be a non-negative integer, got {fixed!r}")
+            fixed = min(fixed, MAX_FIXED_MESSAGES)
+
+        event = params.get("kvflow_event", None)
+        if event is not None and event not in EVENTS:
+            raise HintError("kvflow_event", f"must be one of {EVENTS}, got {event!r}")
+        return cls(workflow=workflow, agent=agent, step=step, ste=ste, next=nxt, app=app,  # type: ignore[arg-type]
+                   fixed_messages=fixed, event=event)
+
+    @classmethod
+    def from_request_body(cls, body: Mapping[str, Any]) -> Optional["Hints"]:
+        """Hints from an OpenAI request body (its ``custom_params``), or ``None``."""
+        return cls.from_custom_params(body.get("custom_params"))
+
+
+class HintsWire(BaseModel):
+    """The wire form, for the JSON Schema (``kvflow_agents/schemas/hints_v1.schema.json``)."""
+
+    model_config = ConfigDict(extra="allow", title="kvflow hints v1 (custom_params)")
+
+    kvflow_v: Literal[1]
+    kvflow_workflow: str = Field(min_length=1, max_length=MAX_ID_LEN)
+    kvflow_agent: str = Field(min_length=1, max_length=MAX_ID_LEN)
+    kvflow_app: Optional[str] = Field(None, min_length=1, max_length=MAX_ID_LEN)
+    kvflow_step: int = Field(0, ge=0)
+    kvflow_ste: dict[str, Optional[int]] = Field(
+        default_factory=dict, max_length=MAX_STE_AGENTS,
+        description="agent -> steps until it runs; null = never again (infinity)")
+    kvflow_next: list[str] = Field(default_factory=list, max_length=MAX_STE_AGENTS)
+    kvflow_fixed_messages: Optional[int] = Field(None, ge=0)
+    kvflow_event: Optional[Literal["transition", "end"]] = None
+
+
+SCHEMA_PATH = Path(__file__).parent / "schemas" / "hints_v1.schema.json"
+
+
+def json_schema() -> dict[str, Any]:
+    return HintsWire.model_json_schema()
+
+
+def write_json_schema(path: Path = SCHEMA_PATH) -> None:
+    path.write_text(json.dumps(json_schema(), indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,164 @@
+"""httpx / httpx2 transports that add hints v1 to OpenAI-style LLM requests.
+
+``openai`` < 3 sends through ``httpx``; ``openai`` 3.x through ``httpx2`` (same API, another
+module). A transport must come from the same library as the client it is mounted in, so the
+classes are built for each library from one core (:func:`rewrite_body`): sync and async twins
+that only differ in how they call the wrapped transport.
+
+Only ``POST …/chat/completions`` and ``POST …/completions`` with a JSON object body are
+touched: the hints are merged into ``custom_params`` (keys the caller set explicitly win) and
+mirrored in ``X-KVFlow-Workflow`` / ``X-KVFlow-Agent``. Everything else passes unchanged, and
+so does every request sent while no hints apply.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from functools import lru_cache
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+from .context import current_hints
+from .protocol import Hints
+
+log = logging.getLogger("kvflow_agents")
+
+HINTED_PATH_SUFFIXES = ("/chat/completions", "/completions")
+
+HintSource = Callable[[], Optional[Hints]]
+
+
+def is_llm_request(method: str, path: str) -> bool:
+    return method.upper() == "POST" and path.rstrip("/").endswith(HINTED_PATH_SUFFIXES)
+
+
+def rewrite_body(body: bytes, hints: Hints) -> Optional[bytes]:
+    """The request body with hints merged into ``custom_params``; ``None`` to leave it as is
+    (not a JSON object, or ``custom_params`` set to something that is not an object)."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    existing = doc.get("custom_params")
+    if existing is None:
+        existing = {}
+    elif not isinstance(existing, dict):
+        return None
+    merged = hints.to_custom_params()
+    merged.update(existing)  # explicit caller keys win over automatic hints
+    doc["custom_params"] = merged
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _rewrite_request(lib: ModuleType, request: Any, source: HintSource) -> Any:
+    if not is_llm_request(request.method, request.url.path):
+        return request
+    try:
+        hints = source()
+        if hints is None:
+            return request
+        try:
+            body = request.content
+        except lib.RequestNotRead:  # a streaming upload: not an OpenAI JSON body
+            return request
+        new_body = rewrite_body(body, hints)
+        if new_body is None:
+            return request
+        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
+        present = {k.lower() for k, _ in headers}
+        headers += [(k, v) for k, v in hints.headers().items() if k.lower() not in present]
+        return lib.Request(request.method, request.url, headers=headers, content=new_body,
+                           extensions=request.extensions)
+    except Exception:  # noqa: BLE001 — hints are advisory; never fail the user's request
+        log.debug("kvflow: could not attach hints; sending the request unchanged", exc_info=True)
+        return request
+
+
+@lru_cache(maxsize=None)
+def transports_for(lib_name: str) -> tuple[type, type]:
+    """``(KVFlowTransport, AsyncKVFlowTransport)`` for ``"httpx"`` or ``"httpx2"``."""
+    lib = importlib.import_module(lib_name)
+
+    class KVFlowTransport(lib.BaseTransport):  # type: ignore[name-defined, misc]
+        """Adds hints v1 to LLM requests, then hands them to ``transport``."""
+
+        library = lib_name
+
+        def __init__(self, transport: Any = None, *, hints: HintSource | None = None,
+                     **transport_kwargs: Any) -> None:
+            self.inner = transport if transport is not None else lib.HTTPTransport(**transport_kwargs)
+            self._source = hints or current_hints
+
+        def handle_request(self, request: Any) -> Any:
+            return self.inner.handle_request(_rewrite_request(lib, request, self._source))
+
+        def close(self) -> None:
+            self.inner.close()
+
+    class AsyncKVFlowTransport(lib.AsyncBaseTransport):  # type: ignore[name-defined, misc]
+        """Async twin of :class:`KVFlowTransport`."""
+
+        library = lib_name
+
+        def __init__(self, transport: Any = None, *, hints: HintSource | None = None,
+                     **transport_kwargs: Any) -> None:
+            self.inner = transport if transport is not None else lib.AsyncHTTPTransport(**transport_kwargs)
+            self._source = hints or current_hints
+
+        async def handle_async_request(self, request: Any) -> Any:
+            return await self.inner.handle_async_request(_rewrite_request(lib, request, self._source))
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    KVFlowTransport.__qualname__ = KVFlowTransport.__name__ = f"KVFlowTransport[{lib_name}]"
+    AsyncKVFlowTransport.__qualname__ = AsyncKVFlowTransport.__name__ = f"AsyncKVFlowTransport[{lib_name}]"
+    return KVFlowTransport, AsyncKVFlowTransport
+
+
+def default_http_library() -> str:
+    """The HTTP library the installed ``openai`` SDK uses: ``httpx2`` for openai >= 3."""
+    try:
+        import openai
+
+        major = int(openai.__version__.split(".")[0])
+    except Exception:  # noqa: BLE001 — no openai: plain httpx
+        major = 0
+    if major >= 3:
+        try:
+            importlib.import_module("httpx2")
+            return "httpx2"
+        except ImportError:
+            pass
+    return "httpx"
+
+
+def http_client(*, library: str | None = None, hints: HintSource | None = None, **client_kwargs: Any) -> Any:
+    """A sync HTTP client that attaches hints; pass it as ``openai.OpenAI(http_client=...)`` or
+    ``ChatOpenAI(http_client=...)``. ``library`` defaults to what the installed openai uses."""
+    lib_name = library or default_http_library()
+    lib = importlib.import_module(lib_name)
+    transport_cls, _ = transports_for(lib_name)
+    inner = client_kwargs.pop("transport", None)
+    client_kwargs.setdefault("timeout", lib.Timeout(600.0, connect=10.0))
+    return lib.Client(transport=transport_cls(inner, hints=hints), **client_kwargs)
+
+
+def async_http_client(*, library: str | None = None, hints: HintSource | None = None, **client_kwargs: Any) -> Any:
+    """Async twin of :func:`http_client` (``AsyncOpenAI(http_client=...)``)."""
+    lib_name = library or default_http_library()
+    lib = importlib.import_module(lib_name)
+    _, transport_cls = transports_for(lib_name)
+    inner = client_kwargs.pop("transport", None)
+    client_kwargs.setdefault("timeout", lib.Timeout(600.0, connect=10.0))
+    return lib.AsyncClient(transport=transport_cls(inner, hints=hints), **client_kwargs)
+
+
+def __getattr__(name: str) -> Any:  # KVFlowTransport / AsyncKVFlowTransport for plain httpx
+    if name in ("KVFlowTransport", "AsyncKVFlowTransport"):
+        return transports_for("httpx")[name.startswith("Async")]
+    raise AttributeError(name)
