@@ -1,0 +1,62 @@
+"""Counters the cache manager keeps; ``as_dict()`` is what benchmarks and /metrics export.
+
+Units: tokens for hits/misses, pages for evictions and backups, seconds for load time.
+``load_hidden_s`` is load time overlapped with other work (a prefetch finished, or was partly
+done, before its first use); ``load_exposed_s`` is load time a request had to wait for.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CacheMetrics:
+    requests: int = 0
+    hit_tokens_device: int = 0        # usable at once
+    hit_tokens_host: int = 0          # cached on host only (needs a load)
+    hit_tokens_loading: int = 0       # cached, load in flight
+    miss_tokens: int = 0              # not cached in any tier: recompute
+    evictions: Counter = field(default_factory=Counter)        # nodes, by reason
+    evicted_pages: Counter = field(default_factory=Counter)    # pages, by reason
+    backup_pages: int = 0             # device -> host write-through
+    dropped_pages: int = 0            # device pages evicted with no host copy (recompute later)
+    demand_loads: int = 0
+    demand_load_pages: int = 0
+    prefetch_issued: int = 0
+    prefetch_pages: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0          # evicted from device before any use
+    prefetch_stale: int = 0           # planned but dropped because a newer hint changed plans
+    prefetch_deferred: int = 0        # planned but not started (in-flight limit / no room)
+    load_hidden_s: float = 0.0
+    load_exposed_s: float = 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        total = self.hit_tokens_device + self.hit_tokens_host + self.hit_tokens_loading + self.miss_tokens
+        return self.hit_tokens_device / total if total else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Any tier (device + host + loading)."""
+        total = self.hit_tokens_device + self.hit_tokens_host + self.hit_tokens_loading + self.miss_tokens
+        return (total - self.miss_tokens) / total if total else 0.0
+
+    def evicted(self, reason: str, pages: int) -> None:
+        self.evictions[reason] += 1
+        self.evicted_pages[reason] += pages
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if not isinstance(v, Counter)}
+        out["evictions"] = dict(self.evictions)
+        out["evicted_pages"] = dict(self.evicted_pages)
+        out["device_hit_rate"] = self.device_hit_rate
+        out["hit_rate"] = self.hit_rate
+        hidden, exposed = self.load_hidden_s, self.load_exposed_s
+        out["load_hidden_fraction"] = hidden / (hidden + exposed) if hidden + exposed > 0 else None
+        return out
+
+    def reset(self) -> None:
+        self.__init__()

@@ -1,0 +1,143 @@
+"""Cache policies, one small class each behind one interface, selected by name.
+
+A policy only answers questions (which order to evict in, whether to keep a host copy, whether
+to prefetch); :class:`~.manager.KVCacheManager` does the bookkeeping. Like SGLang's
+``EvictionStrategy``: the node with the *smallest* ``eviction_key`` goes first.
+
+========  ===========  ==============  =========================  ====================
+name      device tier  host tier       eviction order             loads
+========  ===========  ==============  =========================  ====================
+lru       bounded      none            LRU                        recompute on miss
+hicache   bounded      write-through   LRU (both tiers)           on demand
+kvflow    bounded      write-through   largest STE first, LRU     on demand + prefetch
+oracle    unbounded    none            never evicts               -
+========  ===========  ==============  =========================  ====================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+INF = math.inf
+
+
+class CachePolicy:
+    """Interface and defaults (= plain LRU on the device tier)."""
+
+    name = "base"
+    host_tier = False       # keep host copies of evicted nodes and load them back on demand
+    evicts = True           # False: the device pool grows instead (oracle)
+    uses_priority = False   # eviction order depends on STE priority (re-index on hint updates)
+    prefetch = False        # run the prefetch planner on hint updates / ticks
+    status_aware = False    # the scheduler should skip requests whose prefix is loading
+
+    def eviction_key(self, priority: float, last_access: int) -> tuple:
+        """Smallest key is evicted first (both tiers)."""
+        return (last_access,)
+
+    def should_backup(self, priority: float, tags_below: int) -> bool:
+        """Write this device victim through to host before freeing its device pages?"""
+        return False
+
+    def host_victim_allowed(self, victim_priority: float, for_priority: float) -> bool:
+        """May a host node of ``victim_priority`` be evicted to back up one of ``for_priority``?"""
+        return True
+
+    def __repr__(self) -> str:
+        return f"<policy {self.name}>"
+
+
+class LRUPolicy(CachePolicy):
+    """Stock SGLang: device only, LRU, recompute on miss."""
+
+    name = "lru"
+
+
+class HiCachePolicy(CachePolicy):
+    """SGLang HiCache: LRU, every evicted node written through to host, load on demand."""
+
+    name = "hicache"
+    host_tier = True
+
+    def should_backup(self, priority: float, tags_below: int) -> bool:
+        return True
+
+
+class KVFlowPolicy(CachePolicy):
+    """KVFlow: evict the largest steps-to-execution first (ties: LRU), write through, prefetch.
+
+    ``backup="all"`` (default) writes every device victim through, like the HiCache it builds
+    on; ``"tagged"`` keeps host copies only of nodes on some agent's fixed prefix. Host
+    eviction uses the same order and never drops a more urgent copy to keep a less urgent one.
+    """
+
+    name = "kvflow"
+    host_tier = True
+    uses_priority = True
+    prefetch = True
+    status_aware = True
+
+    def __init__(self, backup: str = "all", prefetch: bool = True) -> None:
+        if backup not in ("all", "tagged"):
+            raise ValueError("backup must be 'all' or 'tagged'")
+        self.backup = backup
+        self.prefetch = prefetch  # False: eviction order and status only (ablation / Belady check)
+
+    def eviction_key(self, priority: float, last_access: int) -> tuple:
+        return (-priority, last_access)
+
+    def should_backup(self, priority: float, tags_below: int) -> bool:
+        return self.backup == "all" or tags_below > 0
+
+    def host_victim_allowed(self, victim_priority: float, for_priority: float) -> bool:
+        return victim_priority >= for_priority
+
+
+class OraclePolicy(CachePolicy):
+    """Unbounded device memory: never evicts. The physical upper bound for a workload."""
+
+    name = "oracle"
+    evicts = False
+
+
+POLICIES: dict[str, Callable[..., CachePolicy]] = {
+    "lru": LRUPolicy,
+    "hicache": HiCachePolicy,
+    "kvflow": KVFlowPolicy,
+    "oracle": OraclePolicy,
+}
+
+
+def get_policy(name: "str | CachePolicy", **kwargs) -> CachePolicy:
+    """A policy instance by registry name (or pass an instance through)."""
+    if isinstance(name, CachePolicy):
+        return name
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown cache policy {name!r}; choose from {sorted(POLICIES)}") from None
+    return factory(**kwargs)
+
+
+def register_policy(name: str, factory: Callable[..., CachePolicy]) -> None:
+    POLICIES[name] = factory
+
+
+class EvictionStrategyAdapter:
+    """Duck-types SGLang's ``EvictionStrategy`` so another engine's tree evicts in our order.
+
+    ``get_priority(node)`` returns the key SGLang's min-heap pops first, built from the
+    engine-agnostic :class:`~.priority.PriorityIndex` (fed by the adapter's insert/split/evict
+    hooks) and the node's own LRU timestamp. No SGLang import: register an instance (or a
+    factory returning one) in SGLang's ``_EVICTION_POLICY_FACTORIES``.
+    """
+
+    def __init__(self, policy: "str | CachePolicy", index, *,
+                 last_access: Callable = lambda node: node.last_access_time) -> None:
+        self.policy = get_policy(policy)
+        self.index = index
+        self.last_access = last_access
+
+    def get_priority(self, node) -> tuple:
+        return self.policy.eviction_key(self.index.priority(node), self.last_access(node))

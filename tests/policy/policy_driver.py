@@ -1,0 +1,55 @@
+"""A minimal engine for policy tests: drives KVCacheManager the way an engine would."""
+
+from __future__ import annotations
+
+from kvflow_agents.serving.policy import KVCacheManager, NullTransferBackend
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_manager(policy, *, page_size=1, device_pages=64, host_pages=256, link=None,
+                 clock=None, **kw) -> KVCacheManager:
+    clock = clock or VirtualClock()
+    backend = NullTransferBackend(bytes_per_page=1 if link else 0, link_bytes_per_s=link,
+                                  clock=clock)
+    m = KVCacheManager(policy, page_size=page_size, device_pages=device_pages,
+                       host_pages=host_pages, backend=backend, **kw)
+    m.clock = clock  # test convenience
+    return m
+
+
+def serve(m: KVCacheManager, tokens, prefix_len: int, workflow: str, agent: str, *,
+          wait_loads: bool = True, tag: bool = True):
+    """One request: match, load what is on host, lock, allocate the rest, insert, unlock, tag.
+
+    Returns the first match (what the request found when it arrived) or None if the device
+    could not hold the request.
+    """
+    first = m.match(tokens)
+    pm = first
+    if pm.needs_load or pm.loading:
+        ready = m.load_on_demand(pm) if pm.needs_load else None
+        if wait_loads:
+            if ready is None and pm.loading:
+                ready = max(ld.ready for _, _, ld in m._loads) if m._loads else m.clock.t
+            if ready is not None:
+                m.clock.t = max(m.clock.t, ready)
+                m.tick(m.clock.t)
+        pm = m.match(tokens, record=False)
+    handle = m.lock(pm)
+    need = len(tokens) // m.page_size - len(pm.device_pages)
+    pages = m.allocate(need)
+    if pages is None:
+        m.unlock(handle)
+        return None
+    m.insert(tokens, pm.device_pages + pages)
+    m.unlock(handle)
+    if tag:
+        m.tag_fixed_prefix(tokens, prefix_len, workflow, agent)
+    return first
