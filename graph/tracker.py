@@ -63,8 +63,9 @@ class WorkflowTracker:
             self._running[agent] -= 1
             if self._running[agent] == 0:
                 del self._running[agent]
-            for target in self.graph.join_targets(agent):
-                self._arrived.setdefault(target, set()).add(agent)
+            c = self.graph._compile()  # cached: finish is on the hot path of every node
+            for gid in c.member_groups[c.index[agent]]:
+                self._arrived.setdefault(c.names[c.group_target[gid]], set()).add(agent)
             self._ste_cache = None
             self.history.append((self._step, "finish", agent))
 

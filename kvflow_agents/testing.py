@@ -57,6 +57,7 @@ class RecordingOpenAIServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # else delayed ACKs add ~40 ms to every keep-alive reply
 
             def log_message(self, *args: Any) -> None:  # keep test output clean
                 pass
@@ -170,7 +171,8 @@ class RecordingOpenAIServer:
             self.requests.clear()
 
     def start(self) -> "RecordingOpenAIServer":
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvflow-stub", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="kvflow-stub", daemon=True)
         self._thread.start()
         return self
 

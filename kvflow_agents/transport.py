@@ -26,6 +26,7 @@ from .protocol import Hints
 log = logging.getLogger("kvflow_agents")
 
 HINTED_PATH_SUFFIXES = ("/chat/completions", "/completions")
+HINTED_EXTENSION = "kvflow_hinted"  # request extension set by autopatch: do not hint twice
 
 HintSource = Callable[[], Optional[Hints]]
 
@@ -49,6 +50,12 @@ def rewrite_body(body: bytes, hints: Hints) -> Optional[bytes]:
     elif not isinstance(existing, dict):
         return None
     merged = hints.to_custom_params()
+    if hints.fixed_messages is None:  # boundary from the messages (markers are stripped)
+        from .fixed_prefix import apply as _fixed_prefix
+
+        fixed = _fixed_prefix(doc)
+        if fixed is not None:
+            merged["kvflow_fixed_messages"] = fixed
     merged.update(existing)  # explicit caller keys win over automatic hints
     doc["custom_params"] = merged
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
@@ -57,10 +64,15 @@ def rewrite_body(body: bytes, hints: Hints) -> Optional[bytes]:
 def _rewrite_request(lib: ModuleType, request: Any, source: HintSource) -> Any:
     if not is_llm_request(request.method, request.url.path):
         return request
+    if request.extensions.get(HINTED_EXTENSION):  # already hinted by kvflow_agents.autopatch
+        return request
     try:
         hints = source()
         if hints is None:
             return request
+        from .oob import note_server
+
+        note_server(hints, str(request.url))
         try:
             body = request.content
         except lib.RequestNotRead:  # a streaming upload: not an OpenAI JSON body

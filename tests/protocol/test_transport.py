@@ -36,7 +36,9 @@ def test_sync_chat_and_completions_carry_hints_and_headers(recording_server, lib
     assert [r.path for r in reqs] == ["/v1/chat/completions", "/v1/completions",
                                       "/v1/chat/completions", "/v1/models"]
     for r in reqs[:3]:
-        assert r.body["custom_params"] == H.to_custom_params()
+        # Chat requests also carry the fixed-prefix boundary (the leading system message).
+        fixed = {"kvflow_fixed_messages": 1} if "messages" in r.body else {}
+        assert r.body["custom_params"] == {**H.to_custom_params(), **fixed}
         assert r.headers["x-kvflow-workflow"] == "wf-1" and r.headers["x-kvflow-agent"] == "planner"
     assert reqs[0].body["messages"] == MSGS  # the payload itself is unchanged
     assert "x-kvflow-agent" not in reqs[3].headers

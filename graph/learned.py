@@ -1,0 +1,713 @@
+"""Learned transitions: an expected STE where the next agent is chosen at run time.
+
+The exact STE of :class:`AgentStepGraph` is a *best case* (a lower bound): over a conditional
+edge — a LangGraph branch, a GraphFlow edge condition, a Selector's choice, a Swarm hand-off —
+it assumes the branch towards the agent is taken. Where the choice is an LLM's, every
+candidate then looks equally close. This module learns, per workflow app, how often each
+conditional transition ``u → v`` was taken in observed runs, and turns the counts into an
+**expected STE**.
+
+Transition probabilities
+    Only *conditional* OR edges carry a choice. For an agent ``u`` with conditional successors
+    ``C(u)`` (``END`` included when ``u → END`` is conditional)::
+
+        P(v | u) = (n(u, v) + prior) / (sum over w in C(u) of n(u, w) + prior * |C(u)|)
+
+    a symmetric Dirichlet prior (``prior`` > 0; default 1, Laplace), so an unseen branch is
+    unlikely but never impossible. Unconditional edges always fire: ``P = 1``.
+
+Expected STE (the value in ``kvflow_ste``)
+    The STE recurrence of the exact solver with each OR edge stretched to length ``1 / P(v|u)``::
+
+        X(a) = 0                                            if a is running
+        X(a) = min( min over OR preds u    (X(u) + 1 / P(a | u)),
+                    min over AND groups G  (max over m in G not yet arrived (X(m)) + 1) )
+
+    ``1 / P`` is the expected number of times ``u`` must run before it picks ``a`` (geometric
+    trials), so ``X`` is an *expected distance* in steps. It is solved like the exact STE, by a
+    Dijkstra pass (``min``/``max`` plus a length >= 1 are superior functions, Knuth 1977), and:
+
+    * equals the exact STE wherever nothing is chosen at run time (every ``P`` is 1);
+    * is never below the exact STE (every length is >= 1), so it never claims an agent is
+      closer than the graph allows, and is infinite exactly where the exact STE is;
+    * orders the candidates of a choice by probability: from ``u``, the likeliest successor
+      is the closest (``1/P`` is decreasing in ``P``), and composes along paths, through
+      parallel steps and AND barriers, which a Markov chain over single agents cannot.
+
+    **On the wire** (:func:`wire_ste`): ``kvflow_ste[a] = max(exact(a), round(X(a)))``
+    (half up), ``null`` where the exact STE is infinite. The protocol carries integers, and the
+    server uses the value as an eviction priority and a prefetch lookahead, both in steps: a
+    branch taken with probability above 2/3 keeps distance 1 (prefetched as "next"), a
+    50/50 choice costs 2, a 10 % branch 10 — its cache goes before the likely branch's.
+    ``kvflow_next`` lists the agents with the smallest expected STE > 0 (the prediction).
+
+Guaranteed STE
+    :func:`guaranteed_ste` follows unconditional edges only: where it is finite the agent
+    runs within that many steps unless the run stops early (termination, errors); infinite
+    where some run-time choice decides. With the exact (best-case) STE it brackets the truth.
+
+Traces
+    Runs are recorded as JSONL (:class:`TraceRecorder`, :func:`write_traces`,
+    :func:`read_traces`): a ``{"type": "graph", "app": ..., "asg": <AgentStepGraph JSON>}``
+    line per app, then one ``{"type": "run", "app": ..., "workflow": ..., "steps": [[agent,
+    ...], ...]}`` line per run (agents that ran in each step, in order).
+    :func:`evaluate_predictions` replays them and measures how often the true next agent had
+    the lowest STE, exact vs learned; :func:`synthetic_selector_traces` makes seeded runs of a
+    Selector-like workflow for ``kvflow bench predict``.
+
+Pure Python: no framework import (adapters for LangGraph and AutoGen both use it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+import threading
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Iterable, Iterator, Mapping, Sequence
+
+from .errors import GraphError
+from .step_graph import END, INF, START, AgentStepGraph
+from .tracker import WorkflowTracker
+
+__all__ = [
+    "TransitionModel", "LearnedTracker", "TraceRun", "TraceRecorder", "PredictionReport",
+    "expected_ste", "guaranteed_ste", "wire_ste", "predicted_next",
+    "write_traces", "read_traces", "evaluate_predictions", "synthetic_selector_traces",
+    "selector_graph", "train", "conditional_successors", "ste_between_steps",
+]
+
+
+# ---------------------------------------------------------------------------- graph views
+@dataclass(frozen=True)
+class _View:
+    """What the expected-STE pass needs from an :class:`AgentStepGraph`."""
+
+    or_succ: dict[str, tuple[tuple[str, bool], ...]]  # u -> ((v, conditional), ...), v may be END
+    cond_succ: dict[str, tuple[str, ...]]             # u -> conditional successors (END included)
+    groups: tuple[tuple[str, tuple[str, ...]], ...]   # (target, members)
+    member_groups: dict[str, tuple[int, ...]]
+    agents: tuple[str, ...]
+    has_start: bool
+
+
+_views: "weakref.WeakKeyDictionary[AgentStepGraph, tuple[Any, _View]]" = weakref.WeakKeyDictionary()
+_views_lock = threading.Lock()
+
+
+def _view(graph: AgentStepGraph) -> _View:
+    compiled = graph._compile()  # rebuilt by the graph after any mutation: our cache key
+    with _views_lock:
+        hit = _views.get(graph)
+        if hit is not None and hit[0] is compiled:
+            return hit[1]
+    g = graph.nx_graph
+    or_succ: dict[str, list[tuple[str, bool]]] = defaultdict(list)
+    cond: dict[str, list[str]] = defaultdict(list)
+    for s, d, k, attrs in g.edges(keys=True, data=True):
+        if k != "or":
+            continue
+        c = bool(attrs.get("conditional"))
+        or_succ[s].append((d, c))
+        if c:
+            cond[s].append(d)
+    groups: list[tuple[str, tuple[str, ...]]] = []
+    member_groups: dict[str, list[int]] = defaultdict(list)
+    for a in graph.agents:
+        for grp in graph.joins(a):
+            gid = len(groups)
+            groups.append((a, tuple(grp)))
+            for m in grp:
+                member_groups[m].append(gid)
+    has_start = START in g
+    if not has_start:  # as the exact solver: agents nothing triggers are the entries
+        for a in graph.agents:
+            if not any(True for _ in g.predecessors(a)):
+                or_succ[START].append((a, False))
+    view = _View(
+        or_succ={u: tuple(dict.fromkeys(v)) for u, v in or_succ.items()},
+        cond_succ={u: tuple(dict.fromkeys(v)) for u, v in cond.items()},
+        groups=tuple(groups),
+        member_groups={m: tuple(v) for m, v in member_groups.items()},
+        agents=tuple(graph.agents),
+        has_start=has_start,
+    )
+    with _views_lock:
+        _views[graph] = (compiled, view)
+    return view
+
+
+def conditional_successors(graph: AgentStepGraph, agent: str) -> tuple[str, ...]:
+    """The successors of ``agent`` (or ``START``) over conditional edges, ``END`` included."""
+    return _view(graph).cond_succ.get(agent, ())
+
+
+def _solve(graph: AgentStepGraph, running: Iterable[str], arrived: Mapping[str, Iterable[str]] | None,
+           length: Any) -> dict[str, float]:
+    """Dijkstra over the STE recurrence; ``length(u, v, conditional)`` >= 1 or ``inf``."""
+    v_ = _view(graph)
+    arrived = arrived or {}
+    running = set(running)
+    dist: dict[str, float] = {}
+    heap: list[tuple[float, int, str]] = []
+    tie = 0
+
+    def push(node: str, d: float) -> None:
+        nonlocal tie
+        if d < dist.get(node, INF):
+            dist[node] = d
+            tie += 1
+            heapq.heappush(heap, (d, tie, node))
+
+    for a in running:
+        if a == START:
+            continue
+        push(a, 0.0)
+    remaining: list[int] = []
+    arrived_in: list[frozenset[str]] = []
+    for target, members in v_.groups:
+        got = frozenset(arrived.get(target, ()))
+        arrived_in.append(got)
+        remaining.append(sum(1 for m in members if m not in got))
+    for gid, r in enumerate(remaining):
+        if r == 0:
+            push(v_.groups[gid][0], 1.0)
+    if START in running:
+        for v, c in v_.or_succ.get(START, ()):
+            if v != END:
+                push(v, length(START, v, c))
+    done: set[str] = set()
+    while heap:
+        d, _, u = heapq.heappop(heap)
+        if u in done or d > dist.get(u, INF):
+            continue
+        done.add(u)
+        for v, c in v_.or_succ.get(u, ()):
+            if v == END or v in done:
+                continue
+            w = length(u, v, c)
+            if w < INF:
+                push(v, d + w)
+        for gid in v_.member_groups.get(u, ()):
+            if u in arrived_in[gid]:
+                continue
+            remaining[gid] -= 1
+            if remaining[gid] == 0:  # u is the last member reached: it holds the max
+                push(v_.groups[gid][0], d + 1.0)
+    return {a: dist.get(a, INF) for a in v_.agents}
+
+
+def guaranteed_ste(graph: AgentStepGraph, running: Iterable[str] = (),
+                   arrived: Mapping[str, Iterable[str]] | None = None) -> dict[str, float]:
+    """STE over unconditional edges only: an upper bound where finite (barring early stops)."""
+    return _solve(graph, running, arrived, lambda u, v, c: INF if c else 1.0)
+
+
+# ---------------------------------------------------------------------------- the model
+class TransitionModel:
+    """Per-app counts of conditional transitions ``(u → v)`` and what follows from them.
+
+    Thread-safe. ``app`` names a workflow *application* (all runs of one graph share counts);
+    ``u`` may be ``START`` and ``v`` may be ``END``.
+    """
+
+    def __init__(self, prior: float = 1.0) -> None:
+        if not prior > 0:
+            raise GraphError(f"prior must be > 0, got {prior!r}")
+        self.prior = float(prior)
+        self._counts: dict[str, dict[str, dict[str, int]]] = {}
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------- counting
+    def observe(self, app: str, src: str, dst: str, n: int = 1) -> None:
+        with self._lock:
+            row = self._counts.setdefault(app, {}).setdefault(src, {})
+            row[dst] = row.get(dst, 0) + n
+
+    def count(self, app: str, src: str, dst: str) -> int:
+        return self._counts.get(app, {}).get(src, {}).get(dst, 0)
+
+    def counts(self, app: str) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return {(u, v): n for u, row in self._counts.get(app, {}).items() for v, n in row.items()}
+
+    def observations(self, app: str) -> int:
+        return sum(self.counts(app).values())
+
+    @property
+    def apps(self) -> list[str]:
+        return list(self._counts)
+
+    def reset(self, app: str | None = None) -> None:
+        with self._lock:
+            if app is None:
+                self._counts.clear()
+            else:
+                self._counts.pop(app, None)
+
+    # -------------------------------------------------------------- probabilities
+    def distribution(self, app: str, src: str, candidates: Sequence[str]) -> dict[str, float]:
+        """``P(v | src)`` over ``candidates`` (the conditional successors of ``src``)."""
+        if not candidates:
+            return {}
+        row = self._counts.get(app, {}).get(src, {})
+        ns = [row.get(v, 0) for v in candidates]
+        total = sum(ns) + self.prior * len(candidates)
+        return {v: (n + self.prior) / total for v, n in zip(candidates, ns)}
+
+    def probability(self, app: str, graph: AgentStepGraph, src: str, dst: str) -> float:
+        """``P(dst | src)`` on ``graph``: 1 over an unconditional edge, 0 with no edge."""
+        v_ = _view(graph)
+        edges = dict(v_.or_succ.get(src, ()))
+        if dst not in edges:
+            return 0.0
+        if not edges[dst]:
+            return 1.0
+        return self.distribution(app, src, v_.cond_succ.get(src, ()))[dst]
+
+    # -------------------------------------------------------------- STE
+    def expected_ste(self, graph: AgentStepGraph, running: Iterable[str] = (),
+                     arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None
+                     ) -> dict[str, float]:
+        """Expected STE (float; see the module doc). ``app`` defaults to the graph's name."""
+        app = graph.name if app is None else app
+        v_ = _view(graph)
+        cache: dict[str, dict[str, float]] = {}
+
+        def length(u: str, v: str, c: bool) -> float:
+            if not c:
+                return 1.0
+            dist = cache.get(u)
+            if dist is None:
+                dist = cache[u] = self.distribution(app, u, v_.cond_succ.get(u, ()))
+            return 1.0 / dist[v]
+
+        return _solve(graph, running, arrived, length)
+
+    def wire_ste(self, graph: AgentStepGraph, running: Iterable[str] = (),
+                 arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None,
+                 exact: Mapping[str, float] | None = None) -> dict[str, float]:
+        """The ``kvflow_ste`` map: expected STE rounded half up, never below the exact STE."""
+        running = set(running)
+        if exact is None:
+            exact = graph.steps_to_execution(running, arrived or {}, validate=False)
+        return wire_ste(exact, self.expected_ste(graph, running, arrived, app=app))
+
+    # -------------------------------------------------------------- persistence
+    def to_json(self) -> str:
+        with self._lock:
+            return json.dumps({"kvflow_transitions": 1, "prior": self.prior, "counts": self._counts},
+                              sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TransitionModel":
+        try:
+            doc = json.loads(text)
+            if doc.get("kvflow_transitions") != 1:
+                raise GraphError("not a transition-model document (missing kvflow_transitions: 1)")
+            m = cls(prior=doc.get("prior", 1.0))
+            for app, rows in doc["counts"].items():
+                for u, row in rows.items():
+                    for v, n in row.items():
+                        m.observe(app, u, v, int(n))
+            return m
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise GraphError(f"cannot read transition model: {e}") from e
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TransitionModel":
+        return cls.from_json(Path(path).read_text())
+
+    def __repr__(self) -> str:
+        return f"TransitionModel(apps={self.apps}, prior={self.prior})"
+
+
+def _round_half_up(x: float) -> float:
+    return INF if math.isinf(x) else float(math.floor(x + 0.5))
+
+
+def wire_ste(exact: Mapping[str, float], expected: Mapping[str, float]) -> dict[str, float]:
+    """Combine exact and expected STE into the value sent as ``kvflow_ste`` (module doc)."""
+    out: dict[str, float] = {}
+    for a, e in exact.items():
+        if math.isinf(e):
+            out[a] = INF
+        else:
+            x = expected.get(a, e)
+            out[a] = max(e, _round_half_up(x)) if not math.isinf(x) else e
+    return out
+
+
+def predicted_next(ste: Mapping[str, float]) -> list[str]:
+    """Agents with the smallest STE > 0 (``[]`` if none can run)."""
+    finite = [v for v in ste.values() if 0 < v < INF]
+    if not finite:
+        return []
+    best = min(finite)
+    return [a for a, v in ste.items() if v == best]
+
+
+def expected_ste(graph: AgentStepGraph, model: TransitionModel, running: Iterable[str] = (),
+                 arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None
+                 ) -> dict[str, float]:
+    return model.expected_ste(graph, running, arrived, app=app)
+
+
+# ---------------------------------------------------------------------------- traces
+@dataclass
+class TraceRun:
+    """One observed run: the agents that ran in each step, in order."""
+
+    app: str
+    steps: list[list[str]]
+    workflow: str | None = None
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"type": "run", "app": self.app, "steps": self.steps}
+        if self.workflow is not None:
+            doc["workflow"] = self.workflow
+        return doc
+
+
+class TraceRecorder:
+    """Collects runs (and the graphs they ran on) for replay; optionally appends JSONL to a file."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.graphs: dict[str, AgentStepGraph] = {}
+        self.runs: list[TraceRun] = []
+        self._lock = threading.Lock()
+        self._written_graphs: set[str] = set()
+
+    def add_graph(self, app: str, graph: AgentStepGraph) -> None:
+        with self._lock:
+            self.graphs[app] = graph
+
+    def add_run(self, run: TraceRun) -> None:
+        with self._lock:
+            self.runs.append(run)
+            if self.path is not None:
+                with self.path.open("a") as f:
+                    if run.app not in self._written_graphs and run.app in self.graphs:
+                        f.write(json.dumps(_graph_doc(run.app, self.graphs[run.app])) + "\n")
+                        self._written_graphs.add(run.app)
+                    f.write(json.dumps(run.to_doc()) + "\n")
+
+    def write(self, path: str | Path) -> None:
+        write_traces(path, self.graphs, self.runs)
+
+
+def _graph_doc(app: str, graph: AgentStepGraph) -> dict[str, Any]:
+    return {"type": "graph", "app": app, "asg": json.loads(graph.to_json())}
+
+
+def write_traces(path_or_file: str | Path | IO[str], graphs: Mapping[str, AgentStepGraph],
+                 runs: Iterable[TraceRun]) -> None:
+    """Write graphs then runs as JSONL."""
+    lines = [json.dumps(_graph_doc(app, g)) for app, g in graphs.items()]
+    lines += [json.dumps(r.to_doc()) for r in runs]
+    text = "".join(line + "\n" for line in lines)
+    if isinstance(path_or_file, (str, Path)):
+        Path(path_or_file).write_text(text)
+    else:
+        path_or_file.write(text)
+
+
+def _iter_lines(path_or_file: str | Path | IO[str]) -> Iterator[str]:
+    if isinstance(path_or_file, (str, Path)):
+        with open(path_or_file) as f:
+            yield from f
+    else:
+        yield from path_or_file
+
+
+def read_traces(path_or_file: str | Path | IO[str]) -> tuple[dict[str, AgentStepGraph], list[TraceRun]]:
+    """Read a JSONL trace file: ``(graphs by app, runs)``. :class:`GraphError` names the line."""
+    graphs: dict[str, AgentStepGraph] = {}
+    runs: list[TraceRun] = []
+    for no, line in enumerate(_iter_lines(path_or_file), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            doc = json.loads(line)
+            kind = doc["type"]
+            if kind == "graph":
+                graphs[doc["app"]] = AgentStepGraph.from_json(json.dumps(doc["asg"]))
+            elif kind == "run":
+                steps = doc["steps"]
+                if not isinstance(steps, list) or not all(
+                        isinstance(s, list) and all(isinstance(a, str) for a in s) for s in steps):
+                    raise GraphError("steps must be a list of lists of agent names")
+                runs.append(TraceRun(app=doc["app"], steps=steps, workflow=doc.get("workflow")))
+            else:
+                raise GraphError(f"unknown line type {kind!r}")
+        except (ValueError, KeyError, TypeError, GraphError) as e:
+            raise GraphError(f"trace line {no}: {e}") from e
+    return graphs, runs
+
+
+# ---------------------------------------------------------------------------- tracking
+class LearnedTracker(WorkflowTracker):
+    """A :class:`WorkflowTracker` that learns conditional transitions as the run goes and
+    answers the expected STE. Hook-free: it wraps ``start``/``end`` of the base tracker.
+
+    A transition ``u → v`` is counted when ``v`` starts the step after the one ``u`` ran in
+    (``u = START`` for the first step) and ``u → v`` is a conditional edge; ``u → END`` when
+    the run ends after ``u`` and that edge is conditional. ``end()`` closes the run and, with
+    a ``recorder``, appends its steps as a :class:`TraceRun`.
+    """
+
+    def __init__(self, graph: AgentStepGraph, model: TransitionModel | None = None, *,
+                 app: str | None = None, workflow_id: str | None = None, learn: bool = True,
+                 recorder: TraceRecorder | None = None) -> None:
+        super().__init__(graph, workflow_id=workflow_id)
+        self.model = model if model is not None else TransitionModel()
+        self.app = app or graph.name
+        self.learn = learn
+        self.recorder = recorder
+        if recorder is not None:
+            recorder.add_graph(self.app, graph)
+        self._steps: list[list[str]] = []   # this run's steps
+        self._step_no: int | None = None    # tracker step number of self._steps[-1]
+
+    def start(self, agent: str, *, step: int | None = None) -> None:
+        with self._lock:
+            was_ended = self._ended or not self._started
+            super().start(agent, step=step)
+            if was_ended:
+                self._steps, self._step_no = [], None
+            if self._step_no != self._step:
+                prev = self._steps[-1] if self._steps else [START]
+                self._steps.append([])
+                self._step_no = self._step
+            else:
+                prev = self._steps[-2] if len(self._steps) > 1 else [START]
+            if agent not in self._steps[-1]:
+                self._steps[-1].append(agent)
+            if self.learn:
+                for u in prev:
+                    if agent in conditional_successors(self.graph, u):
+                        self.model.observe(self.app, u, agent)
+
+    def end(self) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            steps = self._steps
+            if self.learn and steps:
+                for u in steps[-1]:
+                    if END in conditional_successors(self.graph, u):
+                        self.model.observe(self.app, u, END)
+            super().end()
+            if self.recorder is not None and steps:
+                self.recorder.add_run(TraceRun(self.app, [list(s) for s in steps], self.workflow_id))
+            self._steps, self._step_no = [], None
+
+    @property
+    def steps(self) -> list[list[str]]:
+        """The agents of each step of the current (or last ended) run."""
+        with self._lock:
+            return [list(s) for s in self._steps]
+
+    def _state(self) -> tuple[set[str], dict[str, set[str]]]:
+        with self._lock:
+            running = set(self._running) if self._started else {START}
+            return running, {k: set(v) for k, v in self._arrived.items()}
+
+    def expected_ste(self) -> dict[str, float]:
+        if self._ended:
+            return {a: INF for a in self.graph.agents}
+        running, arrived = self._state()
+        return self.model.expected_ste(self.graph, running, arrived, app=self.app)
+
+    def guaranteed_ste(self) -> dict[str, float]:
+        if self._ended:
+            return {a: INF for a in self.graph.agents}
+        running, arrived = self._state()
+        return guaranteed_ste(self.graph, running, arrived)
+
+    def wire_ste(self) -> dict[str, float]:
+        """What the hints carry as ``kvflow_ste``: see :func:`wire_ste`."""
+        exact = self.ste()
+        if self._ended:
+            return exact
+        return wire_ste(exact, self.expected_ste())
+
+    def predicted_next(self) -> list[str]:
+        return predicted_next(self.wire_ste())
+
+
+# ---------------------------------------------------------------------------- evaluation
+@dataclass
+class PredictionReport:
+    """How often the true next agent had the lowest STE (ties split: 1/k credit for k tied)."""
+
+    decisions: int = 0
+    exact_hits: float = 0.0
+    learned_hits: float = 0.0
+    exact_unique: int = 0     # decisions where the true next was the *only* lowest
+    learned_unique: int = 0
+    per_app: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def exact_accuracy(self) -> float:
+        return self.exact_hits / self.decisions if self.decisions else 0.0
+
+    @property
+    def learned_accuracy(self) -> float:
+        return self.learned_hits / self.decisions if self.decisions else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"decisions": self.decisions, "exact_accuracy": round(self.exact_accuracy, 4),
+                "learned_accuracy": round(self.learned_accuracy, 4),
+                "exact_unique_hits": self.exact_unique, "learned_unique_hits": self.learned_unique}
+
+
+def _score(ste: Mapping[str, float], running: set[str], truth: Sequence[str]) -> tuple[float, bool]:
+    cand = {a: v for a, v in ste.items() if a not in running and v < INF}
+    if not cand:
+        return 0.0, False
+    best = min(cand.values())
+    lowest = [a for a, v in cand.items() if v == best]
+    hit = sum(1 for a in lowest if a in truth) / len(lowest)
+    return hit, (len(lowest) == 1 and lowest[0] in truth)
+
+
+def evaluate_predictions(graphs: Mapping[str, AgentStepGraph], runs: Iterable[TraceRun],
+                         model: TransitionModel, *, learn: bool = True,
+                         only_choices: bool = True, use_wire: bool = True) -> PredictionReport:
+    """Replay ``runs``: before each step, is a true next agent the one with the lowest STE?
+
+    Exact = the graph's best-case STE; learned = :meth:`TransitionModel.wire_ste` (or the float
+    expected STE with ``use_wire=False``). ``learn`` updates ``model`` after each run (online).
+    ``only_choices`` scores only steps where the next agent was chosen at run time (the state
+    has a conditional successor); deterministic steps are right by construction.
+    """
+    report = PredictionReport()
+    for run in runs:
+        g = graphs.get(run.app)
+        if g is None:
+            raise GraphError(f"no graph for app {run.app!r} in the trace")
+        tr = LearnedTracker(g, model, app=run.app, learn=False)
+        prev: list[str] = [START]
+        for i, step in enumerate(run.steps):
+            running = set(prev)
+            if not only_choices or any(conditional_successors(g, u) for u in running):
+                arrived = tr.arrived if i else {}
+                exact = g.steps_to_execution(running, arrived, validate=False)
+                learned_f = model.expected_ste(g, running, arrived, app=run.app)
+                learned = wire_ste(exact, learned_f) if use_wire else learned_f
+                eh, eu = _score(exact, running - {START}, step)
+                lh, lu = _score(learned, running - {START}, step)
+                report.decisions += 1
+                report.exact_hits += eh
+                report.learned_hits += lh
+                report.exact_unique += eu
+                report.learned_unique += lu
+                app_row = report.per_app.setdefault(run.app, [0, 0.0, 0.0])
+                app_row[0] += 1
+                app_row[1] += eh
+                app_row[2] += lh
+            # advance the tracker through this step
+            for a in prev:
+                if a != START and a in tr.running:
+                    tr.finish(a)
+            for a in step:
+                tr.start(a)
+            prev = step
+        if learn:
+            _learn_run(model, g, run)
+    return report
+
+
+def _learn_run(model: TransitionModel, graph: AgentStepGraph, run: TraceRun) -> None:
+    prev = [START]
+    for step in run.steps:
+        for v in step:
+            for u in prev:
+                if v in conditional_successors(graph, u):
+                    model.observe(run.app, u, v)
+        prev = step
+    for u in prev:
+        if END in conditional_successors(graph, u):
+            model.observe(run.app, u, END)
+
+
+def train(model: TransitionModel, graphs: Mapping[str, AgentStepGraph], runs: Iterable[TraceRun]) -> None:
+    """Count the conditional transitions of ``runs`` into ``model``."""
+    for run in runs:
+        _learn_run(model, graphs[run.app], run)
+
+
+# ---------------------------------------------------------------------------- synthetic
+def selector_graph(agents: Sequence[str], *, app: str = "selector", repeat: bool = False) -> AgentStepGraph:
+    """A Selector-like workflow: any agent may follow any (conditional), and start or end it."""
+    g = AgentStepGraph(app)
+    for a in agents:
+        g.add_edge(START, a, conditional=True)
+        g.add_edge(a, END, conditional=True)
+        for b in agents:
+            if a != b or repeat:
+                g.add_edge(a, b, conditional=True)
+    return g
+
+
+def synthetic_selector_traces(n_agents: int = 5, runs: int = 200, *, seed: int = 0,
+                              skew: float = 0.7, min_len: int = 4, max_len: int = 12,
+                              app: str = "selector") -> tuple[dict[str, AgentStepGraph], list[TraceRun]]:
+    """Seeded runs of a Selector-like workflow whose hidden router prefers one successor per
+    agent with probability ``skew`` (else uniform over the others). Run lengths are uniform in
+    ``[min_len, max_len]``. Returns ``(graphs, runs)`` as :func:`read_traces` does."""
+    if n_agents < 2:
+        raise GraphError("a selector workflow needs at least two agents")
+    rng = random.Random(seed)
+    agents = [f"agent_{i}" for i in range(n_agents)]
+    favourite = {a: rng.choice([b for b in agents if b != a]) for a in agents}
+    first = rng.choice(agents)
+    out: list[TraceRun] = []
+    for r in range(runs):
+        length = rng.randint(min_len, max_len)
+        cur = first if rng.random() < skew else rng.choice(agents)
+        steps = [[cur]]
+        for _ in range(length - 1):
+            others = [b for b in agents if b != cur]
+            cur = favourite[cur] if rng.random() < skew else rng.choice(others)
+            steps.append([cur])
+        out.append(TraceRun(app=app, steps=steps, workflow=f"{app}-{r}"))
+    return {app: selector_graph(agents, app=app)}, out
+
+
+# ---------------------------------------------------------------------------- between steps
+def ste_between_steps(graph: AgentStepGraph, model: TransitionModel, last_step: Iterable[str],
+                      arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None
+                      ) -> tuple[dict[str, float], dict[str, float]]:
+    """``(exact, expected)`` STE after the agents of ``last_step`` finished and before the next
+    step starts (a router — an LLM selector — is choosing). Agents of the next step are at 1;
+    an agent of ``last_step`` is one step after its nearest OR predecessor (itself, over a
+    self-loop). AND joins into ``last_step`` agents are not re-derived (rare after a step)."""
+    last = [a for a in last_step if a in graph]
+    app = graph.name if app is None else app
+    exact = graph.steps_to_execution(set(last), arrived or {}, validate=False)
+    expected = model.expected_ste(graph, set(last), arrived, app=app)
+    base_e, base_x = dict(exact), dict(expected)
+    for a in last:
+        best_e, best_x = INF, INF
+        for u in dict.fromkeys(graph.or_predecessors(a)):
+            if u in (START, END):
+                continue
+            p = model.probability(app, graph, u, a)
+            if p <= 0:
+                continue
+            best_e = min(best_e, base_e[u] + 1)
+            best_x = min(best_x, base_x[u] + 1.0 / p)
+        exact[a], expected[a] = best_e, best_x
+    return exact, expected

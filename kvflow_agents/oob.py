@@ -1,0 +1,170 @@
+"""Out-of-band hints: transitions that send no LLM request (tool nodes, the end of a run).
+
+``POST {server}/kvflow/v1/hints`` with the flat ``custom_params`` dict of :class:`Hints` plus
+``kvflow_event`` (``"transition"`` or ``"end"``; ``"end"`` releases the workflow).
+
+Best effort by design: :meth:`HintReporter.report` only puts the hints on a bounded queue
+(dropping them when it is full) and returns at once; one daemon thread posts them with a short
+timeout and logs failures at debug level. Nothing here blocks or fails the user's run.
+
+Where is the server? ``HintReporter(base_url)`` when given (``instrument(graph,
+hints_url=...)``); otherwise the server the app's own LLM requests went to, which the transport
+and :mod:`kvflow_agents.autopatch` record with :func:`note_server` (per app id, then the last
+one seen). ``base_url`` may be the OpenAI base (``http://host:port/v1``) or the server root.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import queue
+import threading
+from typing import Any, Optional
+
+# Imported here, not in the poster thread: openai 3 peeks at sys.modules["httpx"] on every
+# request, and a request built while another thread is half-way through importing httpx fails.
+import httpx
+
+from .protocol import Hints
+
+log = logging.getLogger("kvflow_agents")
+
+HINTS_PATH = "/kvflow/v1/hints"
+QUEUE_SIZE = 1024
+POST_TIMEOUT_S = 2.0
+
+_servers: dict[str, str] = {}  # app id (or "" for any) -> server root
+_servers_lock = threading.Lock()
+
+
+def server_root(url: str) -> str:
+    """``http://h:p/v1/chat/completions`` or ``http://h:p/v1`` -> ``http://h:p``."""
+    url = url.split("?", 1)[0].split("#", 1)[0].rstrip("/")
+    for suffix in ("/chat/completions", "/completions", HINTS_PATH):
+        if url.endswith(suffix):
+            url = url[: -len(suffix)]
+            break
+    if url.endswith("/v1"):
+        url = url[:-3]
+    return url.rstrip("/")
+
+
+_root_cache: dict[str, str] = {}
+
+
+def note_server(hints: Optional[Hints], url: str) -> None:
+    """Record where an app's LLM requests go (called per hinted request; cheap)."""
+    root = _root_cache.get(url)
+    if root is None:
+        root = server_root(url)
+        if len(_root_cache) < 1024:
+            _root_cache[url] = root
+    if hints is not None and hints.app is not None and _servers.get(hints.app) != root:
+        with _servers_lock:
+            _servers[hints.app] = root
+    if _servers.get("") != root:
+        with _servers_lock:
+            _servers[""] = root
+
+
+def server_for(app: Optional[str]) -> Optional[str]:
+    if app is not None and app in _servers:
+        return _servers[app]
+    return _servers.get("")
+
+
+class _Poster:
+    """One daemon thread and one bounded queue shared by every reporter."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue(QUEUE_SIZE)
+        self.sent = 0
+        self.failed = 0
+        self.dropped = 0
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self._client: Any = None
+
+    def submit(self, url: str, body: bytes) -> bool:
+        if self._thread is None or not self._thread.is_alive():
+            with self._lock:
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._run, name="kvflow-oob", daemon=True)
+                    self._thread.start()
+        try:
+            self.queue.put_nowait((url, body))
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def _run(self) -> None:
+        self._client = httpx.Client(timeout=httpx.Timeout(POST_TIMEOUT_S, connect=1.0))
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                url, body = item
+                try:
+                    r = self._client.post(url, content=body, headers={"content-type": "application/json"})
+                    if r.status_code >= 400:
+                        self.failed += 1
+                        log.debug("kvflow: hint endpoint %s answered %s", url, r.status_code)
+                    else:
+                        self.sent += 1
+                except Exception:  # noqa: BLE001 — best effort
+                    self.failed += 1
+                    log.debug("kvflow: could not post hints to %s", url, exc_info=True)
+            finally:
+                self.queue.task_done()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every queued post was tried (tests, shutdown). ``False`` on timeout."""
+        done = threading.Event()
+
+        def wait() -> None:
+            self.queue.join()
+            done.set()
+
+        threading.Thread(target=wait, daemon=True).start()
+        return done.wait(timeout)
+
+
+_poster = _Poster()
+atexit.register(lambda: _poster.flush(1.0))
+
+
+class HintReporter:
+    """Posts out-of-band hints for one app. ``base_url=None``: the server its LLM requests use."""
+
+    def __init__(self, base_url: Optional[str] = None) -> None:
+        self.base_url = base_url
+
+    def url(self, app: Optional[str] = None) -> Optional[str]:
+        root = server_root(self.base_url) if self.base_url else server_for(app)
+        return root + HINTS_PATH if root else None
+
+    def report(self, hints: Hints, event: str = "transition") -> bool:
+        """Queue a post; ``False`` when it was dropped (no server known yet, queue full)."""
+        try:
+            url = self.url(hints.app)
+            if url is None:
+                log.debug("kvflow: no server known for out-of-band hints of %r yet", hints.app)
+                return False
+            doc = hints.to_custom_params()
+            doc["kvflow_event"] = event
+            return _poster.submit(url, json.dumps(doc, separators=(",", ":")).encode())
+        except Exception:  # noqa: BLE001 — never fail the run
+            log.debug("kvflow: could not queue out-of-band hints", exc_info=True)
+            return False
+
+    @staticmethod
+    def flush(timeout: float = 5.0) -> bool:
+        return _poster.flush(timeout)
+
+
+def flush(timeout: float = 5.0) -> bool:
+    """Wait until every queued out-of-band post was tried."""
+    return _poster.flush(timeout)
