@@ -3,6 +3,7 @@
     python -m examples.peer_financial_qa.run                       # embedded `kvflow serve`
     python -m examples.peer_financial_qa.run --base-url http://127.0.0.1:30000/v1 --model M
     python examples/peer_financial_qa/run.py --ids macro-01,co-03 --jump planning
+    python -m examples.peer_financial_qa.run --framework autogen   # the AutoGen GraphFlow version
 
 For each question it prints the question, the plan, the final answer, the review verdict of each
 round and the elapsed time; at the end a per-agent usage/cache table (from each response's
@@ -38,8 +39,12 @@ DEFAULT_EMBEDDED_MODEL = "smollm2-135m"
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="peer_financial_qa",
-                                description="PEER (Plan/Execute/Express/Review) financial QA on LangGraph, "
-                                            "instrumented with kvflow.instrument.")
+                                description="PEER (Plan/Execute/Express/Review) financial QA on LangGraph "
+                                            "(or AutoGen), instrumented with kvflow.instrument.")
+    p.add_argument("--framework", choices=("langgraph", "autogen"), default="langgraph",
+                   help="langgraph (app.py, default) or autogen (autogen_app.py: an AutoGen GraphFlow)")
+    p.add_argument("--executors", type=int, choices=(3, 4, 5), default=3,
+                   help="autogen only: the fixed number of executor agents (default 3)")
     p.add_argument("--base-url", help="OpenAI-compatible base URL (…/v1). Default: start the embedded "
                                       "server (`kvflow serve`) on a free port and stop it at the end.")
     p.add_argument("--model", help=f"model name (default: {DEFAULT_EMBEDDED_MODEL} for the embedded "
@@ -185,6 +190,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     server: Optional[EmbeddedServer] = None
     sampler: Optional[CacheSampler] = None
+    peer: Any = None  # the AutoGen app (closed at the end)
     base_url = args.base_url
     model = args.model
     try:
@@ -202,15 +208,25 @@ def run(args: argparse.Namespace, console: Console) -> int:
             base_url = server.base_url
         model = model or first_model(base_url, args.api_key) or "default"
 
-        usage = UsageByAgent()
-        llm = make_llm(base_url=base_url, model=model, api_key=args.api_key, max_tokens=args.max_tokens,
-                       temperature=args.temperature, seed=args.seed, callbacks=[usage])
-        builder = build_graph(llm, jump=args.jump, max_rounds=args.max_rounds)
-        app, instrumented = compile_app(builder, instrument=not args.no_instrument)
+        if args.framework == "autogen":
+            from examples.peer_financial_qa.autogen_app import AutoGenPeer
+
+            peer = AutoGenPeer(base_url=base_url, model=model, api_key=args.api_key, max_tokens=args.max_tokens,
+                               temperature=args.temperature, seed=args.seed, jump=args.jump,
+                               max_rounds=args.max_rounds, executors=args.executors,
+                               instrument=not args.no_instrument)
+            usage, instrumented, invoke = peer.usage, peer.instrumented, peer.invoke
+        else:
+            usage = UsageByAgent()
+            llm = make_llm(base_url=base_url, model=model, api_key=args.api_key, max_tokens=args.max_tokens,
+                           temperature=args.temperature, seed=args.seed, callbacks=[usage])
+            builder = build_graph(llm, jump=args.jump, max_rounds=args.max_rounds)
+            app, instrumented = compile_app(builder, instrument=not args.no_instrument)
+            invoke = lambda q: app.invoke(initial_state(q), config={"recursion_limit": 64})  # noqa: E731
         if not args.no_instrument and not instrumented:
-            console.print("[yellow]kvflow_agents.adapters.langgraph is not available: running uninstrumented[/]")
-        console.print(f"[dim]model {model} at {base_url}; jump={args.jump}; max rounds {args.max_rounds}; "
-                      f"instrumented={instrumented}[/]")
+            console.print(f"[yellow]kvflow_agents.adapters.{args.framework} is not available: running uninstrumented[/]")
+        console.print(f"[dim]{args.framework}: model {model} at {base_url}; jump={args.jump}; "
+                      f"max rounds {args.max_rounds}; instrumented={instrumented}[/]")
 
         sampler = CacheSampler(server_root(base_url), interval_s=args.cache_poll)
         if args.cache_poll > 0:
@@ -220,7 +236,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         for q in questions:
             t0 = time.perf_counter()
             try:
-                result = app.invoke(initial_state(q), config={"recursion_limit": 64})
+                result = invoke(q)
             except Exception as e:  # noqa: BLE001 — report and go on with the next question
                 failures += 1
                 console.print(f"[red]{q.id}: {type(e).__name__}: {e}[/]")
@@ -245,6 +261,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     finally:
         if sampler is not None:
             sampler.stop()
+        if peer is not None:
+            peer.close()
         if server is not None:
             server.stop()
 
