@@ -1,0 +1,184 @@
+"""The HTTP side of the plugin (SGLang's main process: FastAPI app + tokenizer manager).
+
+- ``POST /kvflow/v1/hints``: a flat hints v1 dict (``kvflow_*`` keys, ``kvflow_event`` allowed)
+  for transitions that send no LLM request. Validated here (400 with the bad key), then sent to
+  the schedulers as a :class:`KVFlowControl` on SGLang's tokenizer -> scheduler socket.
+- ``GET /kvflow/v1/cache``: the scheduler's (TP rank 0) :meth:`KVFlowRadixCache.kvflow_snapshot`.
+- Chat requests: ``kvflow_fixed_messages`` (how many leading messages are the agent's fixed
+  prompt) is turned into ``kvflow_fixed_prefix_tokens`` with the server's chat template, and
+  the workflow id becomes SGLang's ``routing_key`` (unless the client set one), so a
+  multi-instance router keeps a workflow on one instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import tempfile
+import uuid
+
+from .messages import KVFlowControl
+
+logger = logging.getLogger(__name__)
+
+TARGET_LAUNCH = "sglang.srt.entrypoints.http_server.launch_server"
+TARGET_CHAT = ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat."
+               "_convert_to_internal_request")
+FIXED_TOKENS_KEY = "kvflow_fixed_prefix_tokens"
+SNAPSHOT_TIMEOUT_S = 5.0
+
+_routes_added = False
+
+
+# ------------------------------------------------------------------------------ chat hook
+def common_prefix_len(a, b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def fixed_prefix_tokens(tokenizer, messages: list, n_fixed: int, prompt_ids: list) -> int:
+    """Token length of the first ``n_fixed`` messages as the chat template renders them
+    inside ``prompt_ids``: render those messages alone, take the common prefix with the full
+    prompt (templates may append tokens after the last message that the full prompt lacks)."""
+    if n_fixed <= 0 or not messages:
+        return 0
+    head = messages[:n_fixed]
+    ids = tokenizer.apply_chat_template(head, tokenize=True, add_generation_prompt=False)
+    if isinstance(ids, dict):  # BatchEncoding
+        ids = ids["input_ids"]
+    return common_prefix_len(list(ids), list(prompt_ids))
+
+
+def after_convert_to_internal_request(result, serving, request, *args, **kwargs):
+    """AFTER hook on OpenAIServingChat._convert_to_internal_request."""
+    try:
+        adapted, _ = result
+        params = getattr(request, "custom_params", None)
+        if not isinstance(params, dict) or not any(str(k).startswith("kvflow_") for k in params):
+            return None
+        from kvflow_agents.protocol import HintError, Hints
+        from kvflow_agents.serving.policy import workflow_key
+
+        try:
+            hints = Hints.from_custom_params(params)
+        except HintError:
+            return None  # the scheduler counts and ignores it; the request proceeds
+        if hints is None:
+            return None
+        if getattr(adapted, "routing_key", None) is None:
+            adapted.routing_key = workflow_key(hints.workflow, hints.app)
+        ids = getattr(adapted, "input_ids", None)
+        sp = adapted.sampling_params
+        if (hints.fixed_messages and isinstance(ids, list) and ids and isinstance(sp, dict)
+                and FIXED_TOKENS_KEY not in (sp.get("custom_params") or {})):
+            msgs = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m)
+                    for m in request.messages]
+            tok = serving.tokenizer_manager.tokenizer
+            n = fixed_prefix_tokens(tok, msgs, hints.fixed_messages, ids)
+            if n > 0:
+                cp = dict(sp.get("custom_params") or {})
+                cp[FIXED_TOKENS_KEY] = n
+                sp["custom_params"] = cp
+    except Exception:  # advisory: never fail the request
+        logger.exception("kvflow: chat hint processing failed")
+    return None
+
+
+# ------------------------------------------------------------------------------ routes
+async def send_control(tokenizer_manager, msg: KVFlowControl) -> None:
+    """Send a control message the way SGLang sends requests: the tokenizer manager's own
+    (async) dispatch to the scheduler socket, wrapped for SGLang's IPC encoding."""
+    from sglang.srt.managers.io_struct import async_sock_send, sock_send, wrap_as_pickle
+
+    obj = wrap_as_pickle(msg)
+    dispatch = getattr(tokenizer_manager, "_async_dispatch_to_scheduler", None)
+    if dispatch is not None:
+        await dispatch(obj)
+        return
+    sock = getattr(tokenizer_manager, "send_to_scheduler", None)
+    if sock is None:
+        raise RuntimeError("this SGLang tokenizer mode has no scheduler socket")
+    import zmq.asyncio
+
+    if isinstance(sock, zmq.asyncio.Socket):
+        await async_sock_send(sock, obj)
+    else:
+        sock_send(sock, obj)
+
+
+async def request_snapshot(tokenizer_manager, timeout: float = SNAPSHOT_TIMEOUT_S) -> dict:
+    import zmq
+    import zmq.asyncio
+
+    path = os.path.join(tempfile.gettempdir(), f"kvflow-snap-{uuid.uuid4().hex}")
+    addr = f"ipc://{path}"
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(addr)
+    try:
+        await send_control(tokenizer_manager, KVFlowControl("snapshot", {}, addr))
+        data = await asyncio.wait_for(sock.recv(), timeout)
+        return json.loads(data)
+    finally:
+        sock.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def add_routes(app, get_tokenizer_manager) -> None:
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    from kvflow_agents.protocol import HintError, Hints
+
+    async def post_hints(request: Request):
+        try:
+            body = await request.json()
+        except Exception:
+            return JSONResponse({"error": "body must be JSON"}, status_code=400)
+        try:
+            hints = Hints.from_custom_params(body)
+        except HintError as e:
+            return JSONResponse({"error": str(e), "key": e.key}, status_code=400)
+        if hints is None:
+            return JSONResponse({"error": "no kvflow_* keys"}, status_code=400)
+        try:
+            await send_control(get_tokenizer_manager(),
+                               KVFlowControl("hints", hints.to_custom_params()))
+        except Exception as e:
+            return JSONResponse({"error": str(e)}, status_code=503)
+        return JSONResponse({"accepted": True, "workflow": hints.workflow, "event": hints.event})
+
+    # this module uses postponed annotations; FastAPI needs the real class to inject Request
+    post_hints.__annotations__["request"] = Request
+
+    async def get_cache():
+        try:
+            snap = await request_snapshot(get_tokenizer_manager())
+        except asyncio.TimeoutError:
+            return JSONResponse({"error": "scheduler did not answer"}, status_code=504)
+        except Exception as e:
+            return JSONResponse({"error": str(e)}, status_code=503)
+        return JSONResponse(snap)
+
+    app.add_api_route("/kvflow/v1/hints", post_hints, methods=["POST"])
+    app.add_api_route("/kvflow/v1/cache", get_cache, methods=["GET"])
+
+
+def before_launch_server(*args, **kwargs):
+    """BEFORE hook on http_server.launch_server: add the routes to SGLang's FastAPI app."""
+    global _routes_added
+    if not _routes_added:
+        from sglang.srt.entrypoints import http_server
+
+        add_routes(http_server.app, lambda: http_server.get_global_state().tokenizer_manager)
+        _routes_added = True
+    return None
