@@ -14,7 +14,7 @@ EXTRAS ?= serve,langgraph,autogen,dev
 STAMP := $(VENV)/.kvflow-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-main test-sglang install clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,8 +30,22 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvflow graph demo
 
-test: $(STAMP)
+# The main suite, then the SGLang plugin's suite in its own venv (.venv-sglang: SGLang pins a
+# CUDA torch, so it is installed --no-deps with torch==2.13.0 CPU; see serving/sglang/).
+# SGLANG=0 skips the second part (it downloads about 1.5 GB the first time).
+SGLANG ?= 1
+
+test: test-main
+ifneq ($(SGLANG),0)
+test: test-sglang
+endif
+
+test-main: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
+test-sglang:
+	TORCH_PIP_ARGS="$(TORCH_PIP_ARGS)" bash serving/sglang/install-cpu.sh $(VENV)-sglang
+	$(VENV)-sglang/bin/pytest $(PYTEST_ARGS) tests/sglang
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(VENV)-sglang build dist *.egg-info
