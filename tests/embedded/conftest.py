@@ -1,0 +1,31 @@
+"""Shared fixtures for the embedded-engine model tests."""
+
+import pytest
+
+from kvflow_agents.serving.embedded.kv_pool import PagedKVPool
+from kvflow_agents.serving.embedded.model import load_model
+
+
+@pytest.fixture(scope="session")
+def tiny32():
+    return load_model("tiny-random", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny16():
+    return load_model("tiny-random")  # bf16, the default
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from kvflow_agents.serving.embedded.model.gguf_loader import ModelNotFoundError, locate_gguf
+    try:
+        locate_gguf()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    return load_model("smollm2-135m")
+
+
+def make_pool(cfg, device_pages=64, host_pages=64, page_size=16, **kw):
+    return PagedKVPool(cfg, device_pages=device_pages, host_pages=host_pages,
+                       page_size=page_size, **kw)
