@@ -2,7 +2,6 @@
 
 import pytest
 
-from kvflow_agents.serving.embedded.kv_pool import PagedKVPool
 from kvflow_agents.serving.embedded.model import load_model
 
 
@@ -25,7 +24,3 @@ def smollm2():
         pytest.skip(str(e))
     return load_model("smollm2-135m")
 
-
-def make_pool(cfg, device_pages=64, host_pages=64, page_size=16, **kw):
-    return PagedKVPool(cfg, device_pages=device_pages, host_pages=host_pages,
-                       page_size=page_size, **kw)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from conftest import make_pool
+from embedded_helpers import make_pool
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import make_pool
+from embedded_helpers import make_pool
 from kvflow_agents.serving.embedded.kv_pool import PagedKVPool
 from kvflow_agents.serving.policy.backend import KVTransferBackend
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import make_pool
+from embedded_helpers import make_pool
 
 pytestmark = pytest.mark.slow
 
