@@ -1,0 +1,446 @@
+"""Discrete-event simulator of one serving engine driving the policy core unchanged.
+
+The engine (this file) owns time, batching and costs; every cache decision (what is cached,
+where, eviction order, write-through, prefetch plans, node states) is made by
+:class:`kvflow_agents.serving.policy.KVCacheManager`, called through its engine protocol:
+``status`` while waiting -> ``match`` when admitted -> ``load_on_demand`` -> ``lock`` ->
+``allocate`` -> prefill -> ``insert`` + re-``match``/``lock`` (running) -> ``tag_fixed_prefix``
+-> decode -> ``insert`` -> ``unlock``; ``update_hints`` when a request arrives; ``tick`` every
+scheduler iteration; ``release_workflow`` when a workflow ends.
+
+Scheduler (SGLang-like, iteration level): FIFO waiting queue; each iteration either runs a
+prefill batch of newly admitted requests (up to ``max_prefill_tokens`` new tokens and
+``max_running`` requests; KV for prompt + output reserved at admission) or one decode step for
+all running requests (decode steps between events are fast-forwarded: same batch, context
+growing by one token per step). If nothing can run the clock jumps to the next arrival or load.
+
+Loads (documented choices):
+- the host->device link is FIFO (:class:`SimBackend`); ``start_load`` returns
+  ``max(now, link free) + alpha + bytes/BW``. Write-through (device->host backup) is modelled as
+  asynchronous on the other PCIe direction (full duplex): counted, never delaying anything.
+- on-demand load inside a prefill batch (``hicache``; ``kvflow`` when nothing else can run):
+  layer-wise overlap as HiCache does: layer l computes once its KV landed, so the batch takes
+  ``max(compute, load_left + compute/layers)``; the excess over ``compute`` is exposed
+  (``layerwise=False``: ``load_left + compute``, HiCache before its layer-wise I/O).
+- ``kvflow`` is status-aware: a request whose prefix is LOADING (a prefetch in flight) is
+  skipped; a request needing an on-demand load while other work exists starts the load and is
+  skipped until it lands, unless its own prefill would hide the load (then inline, layer-wise).
+  Time a request waits on loads is exposed load time.
+- no host room / no device room for a load: the host part is recomputed (``load_on_demand``
+  returned ``None``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from kvflow_agents.serving.policy import KVCacheManager, PrefixStatus, get_policy
+
+from .costs import Profile
+from .workloads import Call, Workload, WorkflowPlan
+
+LOADING = PrefixStatus.LOADING
+
+
+class SimBackend:
+    """:class:`~kvflow_agents.serving.policy.KVTransferBackend` on a virtual clock."""
+
+    def __init__(self, profile: Profile, page_size: int, clock: Callable[[], float]) -> None:
+        self.bytes_per_page = profile.kv_bytes_per_token * page_size
+        self.link_bytes_per_s = profile.link_gbps * 1e9 if profile.link_gbps else None
+        self.alpha = profile.link_alpha_s
+        self._clock = clock
+        self.link_free_at = 0.0
+        self.load_busy_s = 0.0
+        self.loads = self.load_pages = self.backup_pages = 0
+
+    def now(self) -> float:
+        return self._clock()
+
+    def backup_to_host(self, device_pages, host_pages) -> None:
+        if len(device_pages) != len(host_pages):
+            raise ValueError("backup_to_host: page lists differ in length")
+        self.backup_pages += len(device_pages)
+
+    def start_load(self, host_pages, device_pages) -> float:
+        if len(device_pages) != len(host_pages):
+            raise ValueError("start_load: page lists differ in length")
+        now = self._clock()
+        self.loads += 1
+        self.load_pages += len(device_pages)
+        if not self.link_bytes_per_s:
+            return now
+        dur = self.alpha + len(device_pages) * self.bytes_per_page / self.link_bytes_per_s
+        start = max(now, self.link_free_at)
+        self.link_free_at = start + dur
+        self.load_busy_s += dur
+        return self.link_free_at
+
+
+class Tokens:
+    """Synthetic token ids: a deterministic run per fixed-prompt key, unique ids otherwise."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, int] = {}
+        self._next = itertools.count(1 << 40)
+
+    def fixed(self, key: str, n: int) -> tuple:
+        base = (self._keys.setdefault(key, len(self._keys)) + 1) << 24
+        return tuple(range(base, base + n))
+
+    def unique(self, n: int) -> tuple:
+        return tuple(next(self._next) for _ in range(n))
+
+
+@dataclass(eq=False)
+class Req:
+    wf: "WfState"
+    call: Call
+    prompt: tuple
+    out: tuple
+    arrival: float
+    measured: bool
+    matched: bool = False
+    handle: object = None
+    pages: list = field(default_factory=list)
+    new_pages: list = field(default_factory=list)
+    cached: int = 0              # prompt tokens served from cache (device or loaded)
+    n_new: int = 0               # prompt tokens computed
+    ready: float = 0.0           # inline load lands at
+    wait_since: Optional[float] = None
+    wait_until: float = 0.0
+    load_wait_s: float = 0.0     # time this request waited on loads (skipped or stalled)
+    load_need_s: float = 0.0     # transfer time of the loads it was the first to read
+    skip_wait_s: float = 0.0     # part of load_wait_s spent skipped (status-aware)
+    generated: int = 0
+    first_token: Optional[float] = None
+    done: Optional[float] = None
+
+
+@dataclass(eq=False)
+class WfState:
+    plan: WorkflowPlan
+    step: int = -1
+    outstanding: int = 0
+    round_start: dict = field(default_factory=dict)
+    round_end: dict = field(default_factory=dict)
+
+
+@dataclass
+class SimResult:
+    policy: str
+    workload: str
+    latency_s: float               # mean measured round latency per workflow ("workflow latency")
+    makespan_s: float
+    ttft_mean_s: float
+    requests: int
+    recomputed_tokens: int
+    cached_tokens: int
+    load_s: float                  # link busy time (all loads)
+    exposed_load_s: float
+    hidden_fraction: Optional[float]
+    cache: dict
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Simulator:
+    def __init__(self, profile: Profile, workload: Workload, policy: str, *,
+                 lookahead: int = 1, max_inflight_loads: int = 4, max_running: int = 256,
+                 max_prefill_tokens: int = 16384, lease_s: float = 3600.0,
+                 layerwise: bool = True) -> None:
+        self.p = profile
+        self.w = workload
+        self.policy = get_policy(policy)
+        ps = self.ps = workload.page_size
+        fixed_total = workload.fixed_tokens_total()
+        dev = workload.device_tokens
+        if dev is None and workload.device_fraction is not None:
+            dev = int(workload.device_fraction * fixed_total)
+        if dev is None:
+            dev = profile.device_tokens()
+        if dev is None:
+            raise ValueError("no device pool size: the profile has none; set device_tokens or device_fraction")
+        need = workload.max_request_tokens()
+        if dev < need + ps:
+            raise ValueError(f"device pool of {dev} tokens cannot hold one request of {need} tokens")
+        host = workload.host_tokens or profile.host_tokens() or 4 * (fixed_total + need)
+        self.device_tokens, self.host_tokens = dev, host
+        self.t = 0.0
+        self.backend = SimBackend(profile, ps, lambda: self.t)
+        self.mgr = KVCacheManager(self.policy, page_size=ps, device_pages=dev // ps,
+                                  host_pages=host // ps, backend=self.backend, lookahead=lookahead,
+                                  max_inflight_loads=max_inflight_loads, lease_s=lease_s)
+        self.max_running, self.max_prefill = max_running, max_prefill_tokens
+        self.layerwise = layerwise
+        self.tokens = Tokens()
+        self.events: list = []
+        self.seq = itertools.count()
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.finished: list[Req] = []
+        self.wfs = [WfState(p) for p in workload.workflows]
+        self.exposed_s = 0.0
+        self.iterations = 0
+        self._claimed: dict = {}
+
+    # ------------------------------------------------------------------ clients
+    def _schedule_step(self, wf: WfState, t: float) -> None:
+        wf.step += 1
+        if wf.step >= len(wf.plan.steps):
+            self.mgr.release_workflow(wf.plan.id)
+            return
+        st = wf.plan.steps[wf.step]
+        at = st.at if st.at is not None else t + st.gap_s
+        heapq.heappush(self.events, (max(at, t), next(self.seq), wf))
+
+    def _arrive(self, wf: WfState) -> None:
+        st = wf.plan.steps[wf.step]
+        wf.round_start.setdefault(st.round, self.t)
+        wf.outstanding = len(st.calls)
+        for c in st.calls:
+            prompt = self.tokens.fixed(c.fixed_key, c.fixed) + self.tokens.unique(c.dynamic)
+            req = Req(wf, c, prompt, self.tokens.unique(c.output), self.t, st.measured)
+            self.mgr.update_hints(wf.plan.id, st.ste, agent=c.agent, step=wf.step, now=self.t)
+            self.waiting.append(req)
+
+    def _finish(self, r: Req) -> None:
+        mgr, ps = self.mgr, self.ps
+        r.done = self.t
+        toks = r.prompt + r.out
+        n = len(toks) // ps
+        mgr.insert(toks[:n * ps], r.pages[:n])
+        mgr.free(r.pages[n:])
+        mgr.unlock(r.handle)
+        self.finished.append(r)
+        wf = r.wf
+        wf.outstanding -= 1
+        if wf.outstanding == 0:
+            st = wf.plan.steps[wf.step]
+            wf.round_end[st.round] = self.t
+            self._schedule_step(wf, self.t)
+
+    # ------------------------------------------------------------------ scheduler
+    def _admit(self) -> list[Req]:
+        mgr, ps = self.mgr, self.ps
+        admitted, keep, budget = [], [], self.max_prefill
+        aware = self.policy.status_aware
+        blocked = False
+        for r in self.waiting:
+            if blocked or budget <= 0 or len(self.running) + len(admitted) >= self.max_running:
+                keep.append(r)
+                continue
+            if aware and mgr.status(r.prompt) is LOADING:
+                self._wait(r, self._loading_ready(r.prompt))
+                keep.append(r)
+                continue
+            m = mgr.match(r.prompt, record=not r.matched)
+            r.matched = True
+            ready, cached = self.t, m.device_len
+            if m.needs_load or m.loading:
+                # status-aware: if other work can run and the load would not hide behind this
+                # request's own prefill (layer-wise), start it and skip the request meanwhile
+                hide = self.p.prefill_s([(len(r.prompt) - m.cached_len, m.cached_len)])
+                if (aware and m.needs_load and (self.running or admitted)
+                        and self.p.load_s(m.cached_len - m.device_len) > hide):
+                    got = mgr.load_on_demand(m)   # async: skip until it lands
+                    if mgr.status(r.prompt) is LOADING:
+                        self._wait(r, got if got is not None else self._loading_ready(r.prompt))
+                        keep.append(r)
+                        continue
+                    m = mgr.match(r.prompt, record=False)
+                    cached = m.device_len
+                else:
+                    got = mgr.load_on_demand(m)
+                    if got is not None:
+                        ready, cached = got, m.cached_len
+            handle = mgr.lock(m)
+            total = -(-(len(r.prompt) + len(r.out)) // ps)
+            pages = mgr.allocate(total - cached // ps)
+            if pages is None:
+                mgr.unlock(handle)
+                keep.append(r)
+                blocked = True  # head-of-line: wait for memory
+                continue
+            if r.wait_since is not None:
+                w = max(0.0, min(self.t, r.wait_until) - r.wait_since)
+                r.skip_wait_s += w
+                r.load_wait_s += w
+                r.wait_since = None
+            r.handle, r.new_pages, r.cached, r.ready = handle, pages, cached, ready
+            self._claim_loads(r)
+            r.n_new = max(1, len(r.prompt) - cached)
+            budget -= r.n_new
+            admitted.append(r)
+        self.waiting = keep
+        return admitted
+
+    def _wait(self, r: Req, until: float) -> None:
+        """``r`` was skipped for a load landing at ``until``: that wait is exposed load time
+        (counted up to the landing or the admission, whichever comes first)."""
+        if r.wait_since is None:
+            r.wait_since, r.wait_until = self.t, until
+        else:
+            r.wait_until = max(r.wait_until, until)
+
+    def _claim_loads(self, r: Req) -> None:
+        """Loads (prefetch or demand) on ``r``'s prefix that no earlier request read: their
+        transfer time is what ``r`` needed; what it waited (``load_wait_s``, batch stalls) of it
+        is exposed, the rest hidden."""
+        path, _ = self.mgr.tree.match(r.prompt, split=False)
+        for n in path:
+            ld = n.load
+            if ld is not None and id(ld) not in self._claimed:
+                self._claimed[id(ld)] = ld  # keep it alive: ids must stay unique
+                r.load_need_s += self.p.load_s(ld.pages * self.ps)
+
+    def _loading_ready(self, tokens: tuple) -> float:
+        """When the loads on ``tokens``' cached path land (read-only look at the tree)."""
+        path, _ = self.mgr.tree.match(tokens, split=False)
+        return max((n.load.ready for n in path if n.load is not None and not n.load.done),
+                   default=self.t)
+
+    def _prefill(self, batch: list[Req]) -> None:
+        mgr, ps, t0 = self.mgr, self.ps, self.t
+        compute = self.p.prefill_s([(r.n_new, r.cached) for r in batch])
+        load_left = max(r.ready for r in batch) - t0
+        if load_left <= 0:
+            dt = compute
+        elif self.layerwise:
+            dt = max(compute, load_left + compute / self.p.layers)
+        else:  # load first, then compute (HiCache without layer-wise overlap)
+            dt = load_left + compute
+        self.exposed_s += dt - compute
+        if dt > compute:
+            for r in batch:
+                if r.ready > t0:
+                    r.load_wait_s += dt - compute
+        self.t = t0 + dt
+        for r in batch:
+            m = mgr.match(r.prompt, record=False)
+            cp = r.cached // ps
+            if len(m.device_pages) < cp:
+                raise AssertionError("sim: a locked prefix lost device pages")
+            allp = m.device_pages[:cp] + r.new_pages
+            n = len(r.prompt) // ps
+            mgr.insert(r.prompt[:n * ps], allp[:n])
+            m2 = mgr.match(r.prompt, record=False)
+            h = mgr.lock(m2)
+            mgr.unlock(r.handle)
+            r.handle = h
+            r.pages = m2.device_pages[:n] + allp[n:]
+            mgr.tag_fixed_prefix(r.prompt, r.call.fixed, r.wf.plan.id, r.call.agent)
+            r.first_token, r.generated = self.t, 1
+            if r.generated >= len(r.out):
+                self._finish(r)
+            else:
+                self.running.append(r)
+
+    def _decode(self) -> None:
+        run = self.running
+        k = min(len(r.out) - r.generated for r in run)
+        stop = math.inf
+        if self.events:
+            stop = self.events[0][0]
+        if self.mgr.loads_in_flight:
+            stop = min(stop, self.mgr.next_load_at)
+        b = len(run)
+        ctx = sum(len(r.prompt) + r.generated for r in run)
+        p = self.p
+        t, steps = self.t, 0
+        while steps < k:
+            t += p.decode_s(b, ctx + steps * b)
+            steps += 1
+            if t >= stop:
+                break
+        self.t = t
+        still = []
+        for r in run:
+            r.generated += steps
+            if r.generated >= len(r.out):
+                self._finish(r)
+            else:
+                still.append(r)
+        self.running = still
+
+    def run(self, progress: Optional[Callable[[int], None]] = None) -> SimResult:
+        for wf in self.wfs:
+            self.t = wf.plan.start_s
+            self._schedule_step(wf, wf.plan.start_s)
+        self.t = 0.0
+        total = self.w.num_calls()
+        mgr = self.mgr
+        while True:
+            self.iterations += 1
+            while self.events and self.events[0][0] <= self.t:
+                _, _, wf = heapq.heappop(self.events)
+                self._arrive(wf)
+            mgr.tick(self.t)
+            before = len(self.finished)
+            batch = self._admit() if self.waiting else []
+            if batch:
+                self._prefill(batch)
+            elif self.running:
+                self._decode()
+            else:
+                nxt = [self.events[0][0]] if self.events else []
+                if mgr.loads_in_flight:
+                    nxt.append(mgr.next_load_at)
+                if not nxt:
+                    if self.waiting:
+                        raise RuntimeError(f"sim deadlock at t={self.t:.3f}: {len(self.waiting)} "
+                                           "requests wait and nothing can free memory")
+                    break
+                self.t = max(self.t, min(nxt))
+            if progress is not None and len(self.finished) > before:
+                progress(len(self.finished) - before)
+        if len(self.finished) != total:
+            raise AssertionError(f"sim: {len(self.finished)} of {total} requests finished")
+        return self._result()
+
+    # ------------------------------------------------------------------ results
+    def _result(self) -> SimResult:
+        lat, spans = [], []
+        for wf in self.wfs:
+            rounds = {st.round for st in wf.plan.steps if st.measured}
+            for rd in rounds:
+                lat.append(wf.round_end[rd] - wf.round_start[rd])
+                spans.append((wf.round_start[rd], wf.round_end[rd]))
+        meas = [r for r in self.finished if r.measured] or self.finished
+        # exposed: engine time lost to loads (batch stalls) + time requests were skipped for them
+        exposed = self.exposed_s + sum(r.skip_wait_s for r in self.finished)
+        need = sum(r.load_need_s for r in self.finished)
+        hid = sum(max(0.0, r.load_need_s - r.load_wait_s) for r in self.finished)
+        load = self.backend.load_busy_s
+        hidden = hid / need if need > 0 else None
+        cache = self.mgr.metrics.as_dict()
+        return SimResult(
+            policy=self.policy.name, workload=self.w.name,
+            latency_s=sum(lat) / len(lat) if lat else 0.0,
+            makespan_s=(max(e for _, e in spans) - min(s for s, _ in spans)) if spans else self.t,
+            ttft_mean_s=sum(r.first_token - r.arrival for r in meas) / len(meas),
+            requests=len(self.finished),
+            recomputed_tokens=sum(r.n_new for r in self.finished),
+            cached_tokens=sum(r.cached for r in self.finished),
+            load_s=load, exposed_load_s=exposed, hidden_fraction=hidden,
+            cache={k: cache[k] for k in ("device_hit_rate", "hit_rate", "demand_loads",
+                                          "prefetch_issued", "prefetch_used", "prefetch_wasted",
+                                          "backup_pages", "load_hidden_fraction")},
+            extra={"device_tokens": self.device_tokens, "host_tokens": self.host_tokens,
+                   "iterations": self.iterations, "end_t": self.t,
+                   "link_gbps": self.p.link_gbps, "profile": self.p.name})
+
+
+def simulate(profile: Profile, workload: Workload, policy: str, **kw) -> SimResult:
+    return Simulator(profile, workload, policy, **kw).run()
+
+
+def compare(profile: Profile, workload: Workload, policies=("lru", "hicache", "kvflow", "oracle"),
+            **kw) -> dict[str, SimResult]:
+    return {p: simulate(profile, workload, p, **kw) for p in policies}

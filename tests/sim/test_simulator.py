@@ -1,0 +1,178 @@
+"""The simulator (serving/sim): determinism, conservation, policy ordering, known effects."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvflow_agents.serving.sim import (Simulator, compare, cycle, fanout, from_trace, load_profile,
+                                       load_trace, peer, simulate)
+from kvflow_agents.serving.sim import paper
+
+A10G = "llama-3.1-8b-a10g"
+
+
+def small_cycle(**kw):
+    args = dict(agents=6, fixed=2048, dynamic=32, output=16, rounds=2, warmup_rounds=1,
+                page_size=64, device_fraction=0.5)
+    args.update(kw)
+    return cycle(**args)
+
+
+class CheckedSim(Simulator):
+    """Asserts time never goes back and the policy core's invariants hold as it runs."""
+
+    def _prefill(self, batch):
+        t = self.t
+        super()._prefill(batch)
+        assert self.t >= t
+        self.mgr.check_invariants(priorities=False)
+
+    def _decode(self):
+        t = self.t
+        super()._decode()
+        assert self.t > t
+
+
+@pytest.mark.parametrize("policy", ["lru", "hicache", "kvflow", "oracle"])
+@pytest.mark.parametrize("make", [lambda: small_cycle(workflows=3, rotate=True),
+                                  lambda: fanout(agents=5, fixed=1024, dynamic=64, output=8, workflows=2,
+                                                 page_size=64, device_fraction=0.5),
+                                  lambda: peer(questions=4, workflows=2, fixed_mult=2, page_size=64,
+                                               device_tokens=24000)])
+def test_conservation(policy, make):
+    wl = make()
+    sim = CheckedSim(load_profile(A10G), wl, policy)
+    res = sim.run()
+    assert res.requests == wl.num_calls() == len(sim.finished)
+    for r in sim.finished:
+        assert r.arrival <= r.first_token <= r.done
+        assert r.generated >= len(r.out)
+    mgr = sim.mgr
+    mgr.check_invariants()
+    assert not sim.running and not sim.waiting and mgr.loads_in_flight == 0
+    tree_pages = sum(len(n.device_pages) for n in mgr.tree.iter_nodes() if n.device_pages is not None)
+    assert mgr.device.num_used == tree_pages, "device pages leaked"
+    assert all(n.lock_ref == 0 for n in mgr.tree.iter_nodes())
+
+
+def test_determinism():
+    prof = load_profile(A10G)
+    a = simulate(prof, peer(questions=6, workflows=3, seed=7, device_tokens=20000), "kvflow").as_dict()
+    b = simulate(prof, peer(questions=6, workflows=3, seed=7, device_tokens=20000), "kvflow").as_dict()
+    c = simulate(prof, peer(questions=6, workflows=3, seed=8, device_tokens=20000), "kvflow").as_dict()
+    assert a == b
+    assert a != c
+
+
+def test_policy_order_cyclic_paper_workload():
+    res = compare(load_profile(A10G), cycle(fixed=8192, dynamic=32, output=32, rounds=1))
+    lat = {p: r.latency_s for p, r in res.items()}
+    assert lat["oracle"] <= lat["kvflow"] * 1.0001
+    assert lat["kvflow"] < lat["hicache"] < lat["lru"]
+    assert lat["kvflow"] <= 1.05 * lat["oracle"]
+    assert res["kvflow"].hidden_fraction > 0.95
+    assert res["kvflow"].cache["prefetch_used"] > 0
+
+
+def test_kvflow_near_oracle_when_link_ample():
+    prof = load_profile(A10G, link_gbps=16)
+    res = compare(prof, small_cycle(workflows=4, rotate=True), ("kvflow", "oracle", "hicache"))
+    assert res["kvflow"].latency_s <= 1.05 * res["oracle"].latency_s
+    assert res["kvflow"].latency_s <= res["hicache"].latency_s * 1.0001
+
+
+def test_hicache_slower_than_recompute_at_very_low_bandwidth():
+    wl = lambda: cycle(fixed=4096, dynamic=32, output=32, rounds=1)  # noqa: E731
+    slow = compare(load_profile(A10G, link_gbps=0.05), wl(), ("lru", "hicache"))
+    assert slow["hicache"].latency_s > slow["lru"].latency_s   # loading costs more than recomputing
+    fast = compare(load_profile(A10G, link_gbps=2), wl(), ("lru", "hicache"))
+    assert fast["hicache"].latency_s < fast["lru"].latency_s
+
+
+def test_layerwise_overlap_hides_part_of_a_demand_load():
+    prof = load_profile(A10G)
+    wl = lambda: cycle(fixed=8192, dynamic=1024, output=8, rounds=1)  # noqa: E731
+    lw = simulate(prof, wl(), "hicache")
+    plain = simulate(prof, wl(), "hicache", layerwise=False)
+    assert lw.latency_s < plain.latency_s
+    assert lw.exposed_load_s < plain.exposed_load_s
+
+
+def test_trace_replay(tmp_path):
+    recs = []
+    t = 0.0
+    for i in range(6):
+        agent = ["plan", "act", "review"][i % 3]
+        recs.append({"t": t, "workflow": "w1", "agent": agent, "fixed_tokens": 512, "prompt_tokens": 600,
+                     "output_tokens": 20, "ste": {"plan": (0 - i) % 3, "act": (1 - i) % 3, "review": (2 - i) % 3},
+                     "step": i, "app": "demo", "done_t": t + 0.5})
+        t += 0.6
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    loaded = load_trace(path)
+    wl = from_trace(loaded, scale=4, device_tokens=2048, page_size=16)
+    assert len(wl.workflows) == 4 and wl.num_calls() == 24
+    assert wl.fixed_tokens_total() == 3 * 512            # copies share the app's prompts
+    res = compare(load_profile(A10G), wl)
+    assert all(r.requests == 24 for r in res.values())
+    open_loop = from_trace([{k: v for k, v in r.items() if k != "done_t"} for r in loaded], page_size=16,
+                           device_tokens=4096)
+    assert open_loop.workflows[0].steps[1].at == pytest.approx(0.6)
+    assert simulate(load_profile(A10G), open_loop, "kvflow").requests == 6
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"t": 0}\n')
+    with pytest.raises(ValueError, match="missing"):
+        load_trace(bad)
+
+
+def test_validation_profile_orders_policies():
+    v = paper.validate()
+    lat = v["latency"]
+    assert lat["kvflow"] <= lat["hicache"] <= lat["lru"]
+    assert v["kvflow_over_oracle"] <= 1.05
+
+
+def test_profiles_and_errors():
+    p = load_profile(A10G)
+    assert p.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    assert load_profile("qwen2.5-32b-h100").kv_bytes_per_token == 2 * 64 * 8 * 128 * 2
+    with pytest.raises(ValueError, match="unknown profile"):
+        load_profile("nope")
+    custom = load_profile({"name": "mine", "layers": 1, "kv_heads": 1, "head_dim": 8, "dtype_bytes": 2,
+                           "prefill_a": 0, "prefill_b": 1e-4, "prefill_c": 0, "decode_base": 1e-3,
+                           "decode_per_seq": 0, "decode_per_ctx": 0, "link_gbps": 1.0})
+    assert custom.kv_bytes_per_token == 32
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        Simulator(p, cycle(fixed=4096, device_tokens=1000), "lru")
+
+
+def test_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvflow_agents.cli.main import app
+
+    r = CliRunner().invoke(app, ["sim", "run", "--fixed", "2048", "--agents", "4", "--rounds", "1",
+                                 "--device-fraction", "0.5", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert set(doc["results"]) == {"lru", "hicache", "kvflow", "oracle"}
+    bad = CliRunner().invoke(app, ["sim", "run", "--policies", "lru,nope"])
+    assert bad.exit_code == 2 and "nope" in bad.output
+    bad = CliRunner().invoke(app, ["sim", "sweep", "--bandwidth", "1,x"])
+    assert bad.exit_code == 2
+    png = tmp_path / "s.png"
+    r = CliRunner().invoke(app, ["sim", "sweep", "--concurrency", "1,2", "--bandwidth", "0.1,4", "--fixed", "1024",
+                                 "--no-progress", "--plot", str(png), "--json", str(tmp_path / "s.json")])
+    assert r.exit_code == 0, r.output
+    assert png.stat().st_size > 1000
+
+
+def test_sim_imports_no_torch():
+    code = ("import sys; import kvflow_agents.serving.sim as s; from kvflow_agents.serving.sim import paper, report; "
+            "s.compare(s.load_profile('llama-3.1-8b-a10g'), s.cycle(agents=3, fixed=256, rounds=1, device_tokens=2048)); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
