@@ -1,0 +1,273 @@
+"""``kvflow bench peer``: the PEER example (``examples/peer_financial_qa``, LangGraph) as the workload.
+
+Each question is one workflow: planner → 3-5 parallel executors → expresser → reviewer (→
+expresser again on FAIL, at most ``max_rounds`` reviews). The app is instrumented with
+``kvflow.instrument`` (hints on every request, ``end`` out of band when the run ends). Every
+agent's fixed prompt is its ~1k-token system message; the same four prompts serve every
+question, so across questions the cache decides whether a prompt is recomputed.
+
+Per policy: the warm-up question(s) (not measured), then the measured questions. Questions are
+interleaved across the policies' servers (policy order rotated per question), so machine noise
+hits every policy alike. Measured per question: wall time (the workflow latency); per LLM call:
+the server-reported TTFT (``usage.kvflow.ttft_s``; the example's ``ChatOpenAI`` does not stream),
+per-tier hits, load wait. Model outputs can differ between policies (recomputed and cached KV
+differ in the last bits), which can change the plan size or the number of review rounds: the
+table shows the calls and output tokens per policy so this is visible.
+
+The example lives in the repository (``examples/``), not in the installed package: this module
+finds it next to the ``kvflow_agents`` source tree (an editable install) and raises
+:class:`PeerUnavailable` otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+from uuid import UUID
+
+from .runner import (PolicyResult, ServerConfig, ServerSet, _add_counters, _raw, fetch_cache_metrics,
+                     finish_counters, metrics_delta, rotated, summarize_workload)
+from .workload import CallRecord, RoundRecord, WorkloadResult, token_counter
+
+AGENTS = ("planner", "executor", "expresser", "reviewer")
+
+
+class PeerUnavailable(RuntimeError):
+    pass
+
+
+def _repo_root() -> Path:
+    import kvflow_agents
+
+    return Path(kvflow_agents.__file__).resolve().parents[1]
+
+
+def check_available(framework: str = "langgraph") -> None:
+    """Make ``examples.peer_financial_qa`` importable, or raise :class:`PeerUnavailable`."""
+    root = _repo_root()
+    if not (root / "examples" / "peer_financial_qa" / "app.py").is_file():
+        raise PeerUnavailable(f"the PEER example is not next to this installation ({root}/examples/"
+                              "peer_financial_qa); run from a source checkout (pip install -e .)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        import langchain_openai  # noqa: F401
+        import langgraph  # noqa: F401
+
+        import examples.peer_financial_qa.app  # noqa: F401
+    except ImportError as e:
+        raise PeerUnavailable(f"the PEER example needs the [langgraph] extra ({e})") from None
+    if framework == "autogen":
+        try:
+            import autogen_agentchat  # noqa: F401
+            import autogen_ext.models.openai  # noqa: F401
+
+            import examples.peer_financial_qa.autogen_app  # noqa: F401
+        except ImportError as e:
+            raise PeerUnavailable(f"the AutoGen PEER example needs the [autogen] extra ({e})") from None
+
+
+@dataclass
+class PeerOptions:
+    questions: int = 2
+    ids: Optional[list] = None
+    warmup_questions: int = 1
+    jump: str = "expressing"
+    max_rounds: int = 2
+    max_tokens: int = 48
+    seed: int = 0
+    framework: str = "langgraph"  # or "autogen": the GraphFlow version of the same example
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def pick_questions(opts: PeerOptions) -> tuple[list, list]:
+    """(measured, warm-up) questions; warm-up ones are never among the measured."""
+    check_available()
+    from examples.peer_financial_qa.data import load_questions, select
+
+    allq = load_questions()
+    if opts.ids:
+        measured = select(allq, ids=opts.ids)
+    else:
+        measured = select(allq, n=opts.questions)
+    rest = [q for q in select(allq) if q not in measured]
+    return measured, rest[:opts.warmup_questions]
+
+
+def fixed_prompt_tokens(model: str) -> dict[str, int]:
+    """Tokens of each agent's system prompt (as a rendered system message, approximately)."""
+    check_available()
+    from examples.peer_financial_qa import prompts
+
+    counter = token_counter(model)
+    return {a: counter.count(getattr(prompts, f"{a.upper()}_SYSTEM")) + 5 for a in AGENTS}
+
+
+def min_device_tokens(fixed: dict[str, int], max_tokens: int, page: int, user_tokens: int = 768) -> int:
+    """Device tokens the largest single PEER request needs (fixed + user message + output)."""
+    n = max(fixed.values()) + user_tokens + max_tokens
+    return -(-n // page) * page + page
+
+
+# ------------------------------------------------------------------------------ per-call capture
+class CallCapture:
+    """LangChain callback: one :class:`CallRecord` per LLM call (agent = LangGraph node)."""
+
+    def __new__(cls, *a, **kw):  # build the BaseCallbackHandler subclass lazily (langchain import)
+        from langchain_core.callbacks import BaseCallbackHandler
+
+        class _Capture(BaseCallbackHandler):
+            raise_error = False
+
+            def __init__(self, on_call: Optional[Callable[[CallRecord], None]] = None) -> None:
+                super().__init__()
+                self.lock = threading.Lock()
+                self.runs: dict[UUID, tuple[str, float]] = {}
+                self.calls: list[CallRecord] = []
+                self.on_call = on_call
+                self.workflow = 0
+                self.round = 0
+                self.measured = False
+
+            def on_chat_model_start(self, serialized, messages, *, run_id: UUID, metadata=None, **kw):
+                with self.lock:
+                    self.runs[run_id] = (str((metadata or {}).get("langgraph_node") or "?"),
+                                         time.perf_counter())
+
+            def on_llm_error(self, error, *, run_id: UUID, **kw):
+                with self.lock:
+                    agent, t0 = self.runs.pop(run_id, ("?", time.perf_counter()))
+                    self.calls.append(CallRecord(self.workflow, self.round, agent, 0, self.measured,
+                                                 t0, 0.0, time.perf_counter() - t0, ok=False,
+                                                 error=f"{type(error).__name__}: {error}"[:300]))
+
+            def on_llm_end(self, response, *, run_id: UUID, **kw):
+                from examples.peer_financial_qa.usage import extract_usage
+
+                from .workload import _usage_fields
+
+                end = time.perf_counter()
+                with self.lock:
+                    agent, t0 = self.runs.pop(run_id, ("?", end))
+                    rec = CallRecord(self.workflow, self.round, agent, 0, self.measured, t0, 0.0, end - t0)
+                    _usage_fields(rec, extract_usage(response))
+                    rec.ttft_s = rec.server_ttft_s if rec.server_ttft_s is not None else rec.latency_s
+                    self.calls.append(rec)
+                if self.on_call is not None:
+                    self.on_call(rec)
+
+        return _Capture(*a, **kw)
+
+
+class PeerApp:
+    """The compiled, instrumented PEER app against one server, with its call capture."""
+
+    def __init__(self, base_url: str, model: str, opts: PeerOptions, api_key: Optional[str],
+                 on_call: Optional[Callable[[CallRecord], None]] = None) -> None:
+        from examples.peer_financial_qa.app import build_graph, compile_app, make_llm
+
+        self.capture = CallCapture(on_call)
+        llm = make_llm(base_url=base_url, model=model, api_key=api_key or "kvflow",
+                       max_tokens=opts.max_tokens, temperature=0.0, seed=opts.seed,
+                       callbacks=[self.capture])
+        self.app, self.instrumented = compile_app(build_graph(llm, jump=opts.jump,
+                                                              max_rounds=opts.max_rounds))
+        self.base_url = base_url
+        self.result = WorkloadResult()
+        self.answers: list[dict] = []
+
+    def ask(self, q: Any, wf_index: int, label: str, measured: bool) -> float:
+        from examples.peer_financial_qa.app import initial_state
+
+        cap = self.capture
+        cap.workflow, cap.round, cap.measured = wf_index, 0, measured
+        t0 = time.perf_counter()
+        err = None
+        try:
+            out = self.app.invoke(initial_state(q), config={
+                "recursion_limit": 64, "configurable": {"thread_id": f"bench-peer-{label}-{wf_index}-{q.id}"}})
+        except Exception as e:  # noqa: BLE001 — recorded; the benchmark goes on
+            out, err = {}, f"{type(e).__name__}: {e}"
+        dt = time.perf_counter() - t0
+        self.result.rounds.append(RoundRecord(wf_index, 0, measured, t0, dt))
+        if measured:
+            self.result.measured_s += dt
+        self.answers.append({"question": q.id, "measured": measured, "seconds": dt, "error": err,
+                             "executors": len(out.get("sub_questions") or []),
+                             "verdicts": list(out.get("verdicts") or []),
+                             "final_verdict": out.get("final_verdict")})
+        return dt
+
+
+def _oob_flush() -> None:
+    try:
+        from kvflow_agents.oob import flush
+        flush(5.0)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, policies: Sequence[str],
+                   server: Optional[ServerConfig], *, base_url: Optional[str] = None,
+                   model: str = "smollm2-135m", api_key: Optional[str] = None,
+                   progress: Optional[Callable[[str, int], Any]] = None, keep_raw: bool = False,
+                   log: Callable[[str], Any] = lambda s: None) -> list[PolicyResult]:
+    check_available()
+    counters: dict[str, Optional[dict]] = {}
+    apps: dict[str, PeerApp] = {}
+
+    def metrics(url: str) -> Optional[dict]:
+        return asyncio.run(fetch_cache_metrics(url, api_key))
+
+    app_cls: Any = PeerApp
+    if opts.framework == "autogen":
+        from examples.peer_financial_qa.autogen_app import AutoGenPeerApp as app_cls
+
+    def run_all(urls: dict[str, str]) -> None:
+        for label, url in urls.items():
+            apps[label] = app_cls(url, model, opts, api_key,
+                                  on_call=(lambda rec, lb=label: progress(f"advance:{lb}", 1))
+                                  if progress is not None else None)
+            if progress is not None:
+                progress(f"start:{label}", (len(questions) + len(warmup)) * 8)  # ~8 calls/question
+        for i, q in enumerate(warmup):  # warm-up: every server sees the same question(s)
+            for label in rotated(list(urls), i):
+                log(f"[{label}] warm-up question {q.id}: {apps[label].ask(q, -1 - i, label, False):.1f}s")
+        _oob_flush()
+        for i, q in enumerate(questions):
+            for label in rotated(list(urls), i):
+                before = metrics(urls[label])
+                dt = apps[label].ask(q, i, label, True)
+                _oob_flush()
+                counters[label] = _add_counters(counters.get(label), metrics_delta(before, metrics(urls[label])))
+                log(f"[{label}] question {q.id}: {dt:.1f}s")
+
+    if base_url:
+        run_all({"external": base_url})
+        argv = {"external": [base_url]}
+        startup = {"external": 0.0}
+    else:
+        assert server is not None
+        with ServerSet(server, policies, log=log) as ss:
+            run_all({p: ss.servers[p].base_url for p in policies})
+            argv = {p: ss.argv(p) for p in policies}
+            startup = {p: ss.servers[p].started_s for p in policies}
+    out = []
+    for label, pa in apps.items():
+        res = pa.result
+        res.calls = list(pa.capture.calls)
+        summary = summarize_workload(res)
+        summary["instrumented"] = pa.instrumented
+        summary["answers"] = [a for a in pa.answers if a["measured"]]
+        summary["calls_per_agent"] = {a: sum(1 for c in res.calls if c.measured and c.agent == a)
+                                      for a in AGENTS}
+        out.append(PolicyResult(label, summary, finish_counters(counters.get(label)), argv[label],
+                                startup[label], _raw(res) if keep_raw else None))
+    return out

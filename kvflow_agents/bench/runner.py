@@ -1,0 +1,289 @@
+"""Run a workload on one ``kvflow serve`` per cache policy, all with identical flags.
+
+The policies' servers are started one after the other and then run side by side; only one is
+ever busy. Each **trial** runs the workload once on every server in turn (the order rotated per
+trial), so a noisy neighbour on the machine slows every policy alike. Per policy and trial: one
+tiny request (warms the kernels) → the workload's warm-up rounds (not measured: the paper
+measures a warmed-up steady state) → read the server's cache counters (``GET
+/kvflow/v1/cache``) → the measured rounds → read them again. The counters' difference gives
+the hit tokens per tier at match time, prefetch outcomes and load time hidden behind compute vs
+exposed; per-request ``usage`` gives TTFT and per-tier hits.
+
+With ``base_url`` an already running (external) server is measured instead, as one column.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from statistics import mean, median
+from typing import Any, Callable, Optional, Sequence
+
+from .server import BenchServer, serve_args
+from .workload import (CallRecord, TokenCounter, WorkflowDriver, WorkloadResult, WorkloadSpec,
+                       summarize_calls)
+
+POLICIES = ("lru", "hicache", "kvflow", "oracle")
+
+_COUNTERS = ("requests", "hit_tokens_device", "hit_tokens_host", "hit_tokens_loading", "miss_tokens",
+             "backup_pages", "dropped_pages", "demand_loads", "demand_load_pages", "prefetch_issued",
+             "prefetch_pages", "prefetch_used", "prefetch_wasted", "prefetch_stale",
+             "prefetch_deferred", "load_hidden_s", "load_exposed_s")
+
+
+@dataclass
+class ServerConfig:
+    model: str
+    device_tokens: int
+    host_tokens: int
+    page_size: int = 16
+    host_link_gbps: Optional[float] = None
+    lookahead: int = 1
+    max_batch: int = 16
+    extra_args: Sequence[str] = ()
+    startup_timeout_s: float = 300.0
+
+    def args(self, policy: str) -> list[str]:
+        return serve_args(model=self.model, policy=policy, device_tokens=self.device_tokens,
+                          host_tokens=self.host_tokens, page_size=self.page_size,
+                          host_link_gbps=self.host_link_gbps, lookahead=self.lookahead,
+                          max_batch=self.max_batch, extra=self.extra_args)
+
+
+def parse_policies(text: str) -> list[str]:
+    got = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in got if p not in POLICIES]
+    if bad or not got:
+        raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}")
+    if len(set(got)) != len(got):
+        raise ValueError("a policy is listed twice")
+    return got
+
+
+# ------------------------------------------------------------------------------ server counters
+async def fetch_cache_metrics(base_url: str, api_key: Optional[str] = None) -> Optional[dict]:
+    """``GET /kvflow/v1/cache``'s ``metrics`` (``None`` when the server has no such endpoint)."""
+    import httpx
+
+    from kvflow_agents.oob import server_root
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
+            r = await c.get(server_root(base_url) + "/kvflow/v1/cache", headers=headers)
+            if r.status_code != 200:
+                return None
+            m = r.json().get("metrics")
+            return m if isinstance(m, dict) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def metrics_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    if before is None or after is None:
+        return None
+    out = {k: after.get(k, 0) - before.get(k, 0) for k in _COUNTERS if k in after}
+    for k in ("evictions", "evicted_pages"):
+        a, b = after.get(k) or {}, before.get(k) or {}
+        out[k] = {r: a.get(r, 0) - b.get(r, 0) for r in a if a.get(r, 0) - b.get(r, 0)}
+    tot = sum(out.get(k, 0) for k in ("hit_tokens_device", "hit_tokens_host", "hit_tokens_loading",
+                                      "miss_tokens"))
+    for k, name in (("hit_tokens_device", "device"), ("hit_tokens_host", "host"),
+                    ("hit_tokens_loading", "loading"), ("miss_tokens", "miss")):
+        out[f"{name}_rate"] = out.get(k, 0) / tot if tot else None
+    hid, exp = out.get("load_hidden_s", 0.0), out.get("load_exposed_s", 0.0)
+    out["load_hidden_fraction"] = hid / (hid + exp) if hid + exp > 0 else None
+    return out
+
+
+async def warm_kernels(base_url: str, model: str, api_key: Optional[str] = None) -> None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=120.0, trust_env=False) as c:
+        await c.post(base_url.rstrip("/") + "/chat/completions", headers=headers,
+                     json={"model": model, "messages": [{"role": "user", "content": "warm up"}],
+                           "max_tokens": 2, "temperature": 0})
+
+
+# ------------------------------------------------------------------------------ results
+@dataclass
+class PolicyResult:
+    policy: str
+    workload: dict                      # summarize_calls of the measured calls + workflow latency
+    server: Optional[dict] = None       # counter deltas over the measured phase
+    serve_argv: list = field(default_factory=list)
+    startup_s: float = 0.0
+    raw: Optional[dict] = None          # per-call / per-round records (JSON only)
+
+    def as_dict(self, raw: bool = False) -> dict:
+        d = {"policy": self.policy, "workload": self.workload, "server": self.server,
+             "serve_argv": self.serve_argv, "startup_s": self.startup_s}
+        if raw and self.raw is not None:
+            d["raw"] = self.raw
+        return d
+
+
+def summarize_workload(res: WorkloadResult) -> dict:
+    calls = [c for c in res.calls if c.measured]
+    rounds = [r.latency_s for r in res.rounds if r.measured]
+    out = summarize_calls(calls)
+
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))] if xs else None
+    out.update({
+        "workflow_latency_mean_s": mean(rounds) if rounds else None,
+        "workflow_latency_p50_s": median(rounds) if rounds else None,
+        "workflow_latency_p90_s": pct(rounds, 0.9),
+        "workflow_rounds": len(rounds),
+        "measured_s": res.measured_s,
+        "calls_per_s": len(calls) / res.measured_s if res.measured_s else None,
+    })
+    return out
+
+
+def _raw(res: WorkloadResult) -> dict:
+    from dataclasses import asdict
+    return {"calls": [asdict(c) for c in res.calls], "rounds": [asdict(r) for r in res.rounds]}
+
+
+# ------------------------------------------------------------------------------ running
+ProgressHook = Callable[[str, int], Any]   # (event, n): ("start:<policy>", total) / ("advance", 1)
+
+
+def _add_counters(acc: Optional[dict], d: Optional[dict]) -> Optional[dict]:
+    if d is None:
+        return acc
+    if acc is None:
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            for r, x in v.items():
+                acc.setdefault(k, {})[r] = acc.get(k, {}).get(r, 0) + x
+        elif isinstance(v, (int, float)) and not k.endswith(("_rate", "_fraction")):
+            acc[k] = acc.get(k, 0) + v
+    return acc
+
+
+def finish_counters(acc: Optional[dict]) -> Optional[dict]:
+    """Recompute the rates of summed counters."""
+    if acc is None:
+        return None
+    base = {k: 0 for k in _COUNTERS}
+    return metrics_delta(base, {**acc, "evictions": acc.get("evictions", {}),
+                                "evicted_pages": acc.get("evicted_pages", {})})
+
+
+class ServerSet:
+    """One running ``kvflow serve`` per policy (started one after the other, stopped together).
+    Idle servers use no CPU, so trials can interleave the policies (see ``run_workflow_bench``)."""
+
+    def __init__(self, config: ServerConfig, policies: Sequence[str],
+                 log: Callable[[str], Any] = lambda s: None) -> None:
+        self.config, self.policies, self.log = config, list(policies), log
+        self.servers: dict[str, BenchServer] = {}
+
+    def __enter__(self) -> "ServerSet":
+        try:
+            for p in self.policies:
+                self.log(f"[{p}] starting: kvflow serve {' '.join(self.config.args(p))}")
+                self.servers[p] = BenchServer(self.config.args(p),
+                                              timeout_s=self.config.startup_timeout_s).start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for srv in self.servers.values():
+            srv.stop()
+
+    def argv(self, p: str) -> list[str]:
+        return ["kvflow", "serve", *self.config.args(p)]
+
+
+def rotated(items: Sequence[str], k: int) -> list[str]:
+    """Trial ``k`` runs the policies in a rotated order, so no policy always goes first."""
+    items = list(items)
+    k %= max(1, len(items))
+    return items[k:] + items[:k]
+
+
+def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Optional[ServerConfig], *,
+                       counter: TokenCounter, base_url: Optional[str] = None,
+                       model: Optional[str] = None, api_key: Optional[str] = None, trials: int = 1,
+                       progress: Optional[ProgressHook] = None, keep_raw: bool = False, stream: bool = True,
+                       log: Callable[[str], Any] = lambda s: None) -> list[PolicyResult]:
+    """``trials`` x (warm-up + measured rounds) per policy. All policy servers run side by side
+    and the trials interleave them (policy order rotated per trial), so a noisy neighbour on the
+    machine slows every policy alike; each trial uses fresh workflow ids and starts with its
+    own (unmeasured) warm-up rounds."""
+    per_trial = spec.workflows * spec.calls_per_round * (spec.rounds + spec.warmup_rounds)
+    merged: dict[str, WorkloadResult] = {}
+    counters: dict[str, Optional[dict]] = {}
+
+    def run_one(label: str, url: str, mdl: str, trial: int) -> None:
+        def on_call(rec: CallRecord) -> None:
+            if progress is not None:
+                progress(f"advance:{label}", 1)
+        res, delta = _run_workload(label, trial, spec, url, mdl, counter=counter, api_key=api_key,
+                                   on_call=on_call, stream=stream)
+        acc = merged.setdefault(label, WorkloadResult())
+        acc.calls.extend(res.calls)
+        acc.rounds.extend(res.rounds)
+        acc.measured_s += res.measured_s
+        counters[label] = _add_counters(counters.get(label), delta)
+
+    if base_url:
+        labels = ["external"]
+        if progress is not None:
+            progress("start:external", per_trial * trials)
+        for t in range(trials):
+            run_one("external", base_url, model or "default", t)
+        argv = {"external": [base_url]}
+        startup = {"external": 0.0}
+    else:
+        assert server is not None
+        labels = list(policies)
+        with ServerSet(server, labels, log=log) as ss:
+            if progress is not None:
+                for p in labels:
+                    progress(f"start:{p}", per_trial * trials)
+            for t in range(trials):
+                for p in rotated(labels, t):
+                    run_one(p, ss.servers[p].base_url, server.model, t)
+            argv = {p: ss.argv(p) for p in labels}
+            startup = {p: ss.servers[p].started_s for p in labels}
+    out = []
+    for p in labels:
+        res = merged[p]
+        summary = summarize_workload(res)
+        summary["trials"] = trials
+        out.append(PolicyResult(p, summary, finish_counters(counters.get(p)), argv[p], startup[p],
+                                _raw(res) if keep_raw else None))
+        if summary.get("errors"):
+            log(f"[{p}] {summary['errors']} request(s) failed; first: {summary.get('first_error')}")
+    return out
+
+
+def _run_workload(label: str, trial: int, spec: WorkloadSpec, base_url: str, model: str, *,
+                  counter: TokenCounter, api_key: Optional[str], on_call, stream: bool = True
+                  ) -> tuple[WorkloadResult, Optional[dict]]:
+    box: dict = {}
+
+    async def main() -> WorkloadResult:
+        await warm_kernels(base_url, model, api_key)
+        drv = WorkflowDriver(spec, base_url, model, counter=counter, api_key=api_key, stream=stream,
+                             run_id=f"{label}-t{trial}-{int(time.time())}", trial=trial,
+                             on_call=on_call)
+
+        async def between() -> None:
+            box["before"] = await fetch_cache_metrics(base_url, api_key)
+        res = await drv.run(between=between)
+        box["after"] = await fetch_cache_metrics(base_url, api_key)
+        return res
+    res = asyncio.run(main())
+    return res, metrics_delta(box.get("before"), box.get("after"))

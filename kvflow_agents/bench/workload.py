@@ -1,0 +1,497 @@
+"""The paper's synthetic multi-agent workflow, and the async client that drives it.
+
+A workflow has ``agents`` agents. Each agent has a **fixed prompt** of ``fixed`` tokens (its
+system message, the same on every call: the cacheable prefix) and each call adds a **dynamic**
+user message of ``dynamic`` tokens (different on every call) and asks for ``output`` tokens
+(``max_tokens`` + ``ignore_eos``, so every call decodes exactly that many).
+
+Variants (:func:`build_graph`, :func:`steps`):
+
+- ``cycle``: agent_0 → agent_1 → … → agent_{N-1} → agent_0 (KVFlow's Fig. 1 workflow). One
+  round = N sequential calls.
+- ``fanout``: a head agent fans out to N-2 parallel workers, an AND barrier joins them into a
+  tail agent, the tail goes back to the head. One round = head, all workers concurrently, tail.
+
+``workflows`` instances run concurrently (each its own workflow id and, unless
+``share_prompts``, its own fixed prompts), each for ``warmup_rounds + rounds`` rounds. The
+client follows the workflow with a :class:`~kvflow_agents.graph.WorkflowTracker` and sends
+hints v1 (``kvflow.hints`` + ``kvflow.async_http_client()``) with every request, and an
+out-of-band ``end`` when the workflow is over.
+
+Token lengths are exact for byte-level tokenizers (``tiny-random``: one ASCII character is one
+token) and for models whose tokenizer can be loaded locally (``smollm2-135m``); otherwise they
+are approximate (about one token per word) and the measured ``usage.prompt_tokens`` says what
+was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Callable, Optional, Sequence
+
+VARIANTS = ("cycle", "fanout")
+
+# A fixed vocabulary of common lowercase English words: with GPT-2-style byte-level BPE each
+# " word" is a single token, so word count ~ token count even without the tokenizer.
+_WORDS = (
+    "the of and to in is for on that with as by at from this are be or an was it not have "
+    "which one all can will more has their been its also but were they time new other when "
+    "some these who into two may there only over first any most such year many after would "
+    "so work than what use part data should about state each both through between where high "
+    "well under long most while must well number small large used three same place system "
+    "order report market value price rate trade risk plan step agent task review answer note "
+    "table model cache memory queue graph node edge group level point case form power light"
+).split()
+
+
+# ------------------------------------------------------------------------------------ tokens
+class TokenCounter:
+    """Counts tokens and makes deterministic text of an exact token length."""
+
+    name = "words"
+
+    def count(self, text: str) -> int:
+        return len(text.split())
+
+    def make_text(self, n: int, rng: random.Random, lead: str = "") -> str:
+        words = [lead] if lead else []
+        while len(words) < n:
+            words.append(rng.choice(_WORDS))
+        return " ".join(words[:max(n, 1)]) if n > 0 else ""
+
+
+class ByteLevelCounter(TokenCounter):
+    """``tiny-random``: one byte is one token (ASCII text only here)."""
+
+    name = "byte-level"
+
+    def count(self, text: str) -> int:
+        return len(text.encode("utf-8"))
+
+    def make_text(self, n: int, rng: random.Random, lead: str = "") -> str:
+        if n <= 0:
+            return ""
+        parts, size = [], 0
+        if lead:
+            parts.append(lead)
+            size = len(lead)
+        while size < n:
+            w = rng.choice(_WORDS)
+            parts.append(w)
+            size += len(w) + 1
+        return " ".join(parts)[:n]
+
+
+class HFTokenizerCounter(TokenCounter):
+    """A ``tokenizers``-backed tokenizer (e.g. the embedded engine's ``ChatTokenizer``)."""
+
+    def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                 name: str = "tokenizer") -> None:
+        self._encode, self._decode, self.name = encode, decode, name
+
+    def count(self, text: str) -> int:
+        return len(self._encode(text))
+
+    def make_text(self, n: int, rng: random.Random, lead: str = "") -> str:
+        if n <= 0:
+            return ""
+        base = TokenCounter().make_text(n + 8, rng, lead)
+        ids = self._encode(base)
+        while len(ids) < n:  # very unlikely: words merged
+            base += " " + rng.choice(_WORDS)
+            ids = self._encode(base)
+        text = self._decode(ids[:n])
+        for _ in range(8):  # a decode/encode round trip can merge or split a token at the end
+            k = len(self._encode(text))
+            if k == n:
+                break
+            if k < n:
+                text += " " + rng.choice(_WORDS)
+            else:
+                text = self._decode(self._encode(text)[:n - (k - n)])
+        return text
+
+
+def token_counter(model: str) -> TokenCounter:
+    """The best local token counter for a ``kvflow serve --model`` preset (no downloads)."""
+    if model.startswith("tiny-random"):
+        return ByteLevelCounter()
+    try:
+        if model == "smollm2-135m":
+            from kvflow_agents.serving.embedded.model.gguf_loader import ensure_converted
+            from kvflow_agents.serving.embedded.model.tokenizer import ChatTokenizer
+
+            tok = ChatTokenizer.from_dir(ensure_converted())
+            return HFTokenizerCounter(tok.encode, lambda ids: tok.decode(ids), name=model)
+    except Exception:  # noqa: BLE001 — fall back to words (approximate)
+        pass
+    return TokenCounter()
+
+
+# ------------------------------------------------------------------------------------ spec
+@dataclass
+class WorkloadSpec:
+    agents: int = 10
+    variant: str = "cycle"
+    fixed: int = 1024
+    dynamic: int = 32
+    output: int = 16
+    rounds: int = 3
+    warmup_rounds: int = 1
+    workflows: int = 1
+    seed: int = 0
+    share_prompts: bool = False   # all workflows use the same fixed prompts (one app)
+    app: str = "kvflow-bench"
+
+    def validate(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant: choose one of {', '.join(VARIANTS)}, not {self.variant!r}")
+        if self.agents < (3 if self.variant == "fanout" else 1):
+            raise ValueError(f"agents: the {self.variant} variant needs at least "
+                             f"{3 if self.variant == 'fanout' else 1} agents")
+        for k in ("fixed", "dynamic", "output", "rounds", "workflows"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k}: must be >= 1")
+        if self.warmup_rounds < 0:
+            raise ValueError("warmup_rounds: must be >= 0")
+
+    def agent_names(self) -> list[str]:
+        if self.variant == "cycle":
+            return [f"agent_{i}" for i in range(self.agents)]
+        return ["head"] + [f"worker_{i}" for i in range(1, self.agents - 1)] + ["tail"]
+
+    @property
+    def calls_per_round(self) -> int:
+        return self.agents
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_graph(spec: WorkloadSpec):
+    """The workflow's :class:`~kvflow_agents.graph.AgentStepGraph`."""
+    from kvflow_agents.graph import START, AgentStepGraph
+    from kvflow_agents.graph.examples import cycle_graph
+
+    names = spec.agent_names()
+    if spec.variant == "cycle":
+        return cycle_graph(len(names), names)
+    head, workers, tail = names[0], names[1:-1], names[-1]
+    g = AgentStepGraph(f"fanout{len(names)}")
+    g.add_edge(START, head)
+    for w in workers:
+        g.add_edge(head, w)
+    g.add_join(workers, tail)
+    g.add_edge(tail, head)
+    return g
+
+
+def steps(spec: WorkloadSpec) -> list[list[str]]:
+    """One round as a list of steps; the agents of a step run concurrently."""
+    names = spec.agent_names()
+    if spec.variant == "cycle":
+        return [[a] for a in names]
+    return [[names[0]], names[1:-1], [names[-1]]]
+
+
+def _seed(*parts: Any) -> int:
+    """A stable seed (``hash()`` of str is salted per process)."""
+    return int.from_bytes(hashlib.sha256(json.dumps(parts).encode()).digest()[:8], "big")
+
+
+class Prompts:
+    """Deterministic fixed and dynamic texts of the requested token lengths."""
+
+    def __init__(self, spec: WorkloadSpec, counter: TokenCounter, trial: int = 0) -> None:
+        self.spec, self.counter, self.trial = spec, counter, trial
+        self._fixed: dict[tuple[int, str], str] = {}
+
+    def fixed(self, workflow: int, agent: str) -> str:
+        w = 0 if self.spec.share_prompts else workflow
+        key = (w, agent)
+        if key not in self._fixed:
+            rng = random.Random(_seed("fixed", self.spec.seed, w, agent))
+            lead = f"[{agent} w{w} s{self.spec.seed}] You are {agent}."
+            self._fixed[key] = self.counter.make_text(self.spec.fixed, rng, lead)
+        return self._fixed[key]
+
+    def dynamic(self, workflow: int, rnd: int, agent: str) -> str:
+        # Unique per call, also across trials (a repeated trial must not hit last trial's calls).
+        rng = random.Random(_seed("dyn", self.spec.seed, self.trial, workflow, rnd, agent))
+        return self.counter.make_text(self.spec.dynamic, rng, f"t{self.trial}r{rnd}w{workflow}")
+
+    def messages(self, workflow: int, rnd: int, agent: str) -> list[dict]:
+        return [{"role": "system", "content": self.fixed(workflow, agent)},
+                {"role": "user", "content": self.dynamic(workflow, rnd, agent)}]
+
+
+# ------------------------------------------------------------------------------------ client
+@dataclass
+class CallRecord:
+    workflow: int
+    round: int
+    agent: str
+    step: int
+    measured: bool
+    start: float                      # client clock (perf_counter)
+    ttft_s: float                     # first streamed content (or the end, if none); the
+                                      # server-reported TTFT when not streaming
+    latency_s: float
+    ok: bool = True
+    error: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    device_hit_tokens: Optional[int] = None
+    host_hit_tokens: Optional[int] = None
+    computed_tokens: Optional[int] = None
+    load_wait_s: Optional[float] = None
+    server_ttft_s: Optional[float] = None
+    hints: Optional[str] = None       # the server's x-kvflow-hints answer
+
+
+@dataclass
+class RoundRecord:
+    workflow: int
+    round: int
+    measured: bool
+    start: float
+    latency_s: float
+
+
+@dataclass
+class WorkloadResult:
+    calls: list[CallRecord] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    measured_s: float = 0.0           # wall time of the measured phase (all workflows)
+
+
+def _usage_fields(rec: CallRecord, usage: Optional[dict]) -> None:
+    if not isinstance(usage, dict):
+        return
+    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    rec.completion_tokens = int(usage.get("completion_tokens") or 0)
+    det = usage.get("prompt_tokens_details") or {}
+    rec.cached_tokens = int((det.get("cached_tokens") if isinstance(det, dict) else 0) or 0)
+    kv = usage.get("kvflow")
+    if isinstance(kv, dict):
+        rec.device_hit_tokens = kv.get("device_hit_tokens")
+        rec.host_hit_tokens = kv.get("host_hit_tokens")
+        rec.computed_tokens = kv.get("computed_tokens")
+        rec.load_wait_s = kv.get("load_wait_s")
+        rec.server_ttft_s = kv.get("ttft_s")
+
+
+async def chat_call(client: Any, base_url: str, model: str, messages: list[dict], *,
+                    max_tokens: int, stream: bool = True, extra: Optional[dict] = None,
+                    rec: CallRecord) -> CallRecord:
+    """One chat completion (streamed: TTFT = first non-empty content chunk). Fills ``rec``."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **(extra or {})}
+    url = base_url.rstrip("/") + "/chat/completions"
+    t0 = time.perf_counter()
+    first: Optional[float] = None
+    usage = None
+    try:
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+            async with client.stream("POST", url, json=body) as r:
+                rec.hints = r.headers.get("x-kvflow-hints")
+                if r.status_code != 200:
+                    await r.aread()
+                    raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:].strip()
+                    if data == "[DONE]":
+                        break
+                    doc = json.loads(data)
+                    if "error" in doc:
+                        raise RuntimeError(str(doc["error"])[:300])
+                    for ch in doc.get("choices") or []:
+                        if first is None and (ch.get("delta") or {}).get("content"):
+                            first = time.perf_counter()
+                    if doc.get("usage"):
+                        usage = doc["usage"]
+        else:
+            r = await client.post(url, json=body)
+            rec.hints = r.headers.get("x-kvflow-hints")
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            usage = r.json().get("usage")
+    except Exception as e:  # noqa: BLE001 — recorded, the benchmark goes on
+        rec.ok, rec.error = False, f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    rec.start = t0
+    rec.latency_s = end - t0
+    rec.ttft_s = (first if first is not None else end) - t0
+    _usage_fields(rec, usage)
+    if not stream and rec.server_ttft_s is not None:  # no stream: the server's TTFT
+        rec.ttft_s = float(rec.server_ttft_s)
+    return rec
+
+
+async def post_end(client: Any, base_url: str, hints: Any) -> bool:
+    """Out-of-band ``end`` for a workflow (best effort: ``False`` if the server has no endpoint)."""
+    from kvflow_agents.oob import HINTS_PATH, server_root
+
+    doc = hints.to_custom_params()
+    doc["kvflow_event"] = "end"
+    try:
+        r = await client.post(server_root(base_url) + HINTS_PATH, json=doc)
+        return r.status_code < 400
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class WorkflowDriver:
+    """Drives ``spec.workflows`` concurrent workflow instances against one server."""
+
+    def __init__(self, spec: WorkloadSpec, base_url: str, model: str, *, counter: TokenCounter,
+                 api_key: Optional[str] = None, hints: bool = True, stream: bool = True,
+                 run_id: str = "", trial: int = 0,
+                 on_call: Optional[Callable[[CallRecord], None]] = None) -> None:
+        spec.validate()
+        self.spec, self.base_url, self.model = spec, base_url, model
+        self.prompts = Prompts(spec, counter, trial)
+        self.graph = build_graph(spec)
+        self.api_key = api_key
+        self.send_hints = hints
+        self.stream = stream
+        self.run_id = run_id or f"{int(time.time() * 1000) % 10**8}"
+        self.on_call = on_call
+
+    def workflow_id(self, w: int) -> str:
+        return f"bench-{self.run_id}-wf{w}"
+
+    def _client(self):
+        import kvflow_agents as kvflow
+        from kvflow_agents.transport import default_http_library
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        limits_mod = importlib.import_module(default_http_library())
+        n = max(8, 2 * self.spec.workflows * max(len(s) for s in steps(self.spec)))
+        return kvflow.async_http_client(headers=headers, trust_env=False,
+                                        limits=limits_mod.Limits(max_connections=n,
+                                                                 max_keepalive_connections=n))
+
+    async def run(self, between: Optional[Callable[[], Awaitable[None]]] = None) -> WorkloadResult:
+        """Warm-up rounds, then ``between()`` (e.g. snapshot server counters), then the measured
+        rounds, all workflows concurrently; a barrier separates the two phases."""
+        spec = self.spec
+        result = WorkloadResult()
+        trackers = [self.graph.tracker(self.workflow_id(w)) for w in range(spec.workflows)]
+        async with self._client() as client:
+            if spec.warmup_rounds:
+                await asyncio.gather(*(self._rounds(client, trackers[w], w, 0, spec.warmup_rounds,
+                                                    False, result) for w in range(spec.workflows)))
+            if between is not None:
+                await between()
+            t0 = time.perf_counter()
+            await asyncio.gather(*(self._rounds(client, trackers[w], w, spec.warmup_rounds,
+                                                spec.warmup_rounds + spec.rounds, True, result)
+                                   for w in range(spec.workflows)))
+            result.measured_s = time.perf_counter() - t0
+            for w, tr in enumerate(trackers):
+                tr.end()
+                if self.send_hints:
+                    from kvflow_agents.protocol import Hints
+                    await post_end(client, self.base_url,
+                                   Hints(workflow=self.workflow_id(w), agent=spec.agent_names()[-1],
+                                         step=tr.step, app=spec.app))
+        return result
+
+    def hints_for(self, tracker, w: int, agent: str):
+        from kvflow_agents.protocol import Hints
+
+        return Hints(workflow=self.workflow_id(w), agent=agent, step=tracker.step,
+                     ste=tracker.ste(), next=tracker.next_agents(), app=self.spec.app,
+                     fixed_messages=1)
+
+    async def _rounds(self, client, tracker, w: int, r0: int, r1: int, measured: bool,
+                      result: WorkloadResult) -> None:
+        for rnd in range(r0, r1):
+            t0 = time.perf_counter()
+            for group in steps(self.spec):
+                for a in group:
+                    tracker.start(a)
+                hs = [self.hints_for(tracker, w, a) for a in group]
+                recs = await asyncio.gather(*(self._call(client, tracker, w, rnd, a, h, measured)
+                                              for a, h in zip(group, hs)))
+                for a in group:
+                    tracker.finish(a)
+                result.calls.extend(recs)
+            result.rounds.append(RoundRecord(w, rnd, measured, t0, time.perf_counter() - t0))
+
+    async def _call(self, client, tracker, w: int, rnd: int, agent: str, h, measured: bool) -> CallRecord:
+        import kvflow_agents as kvflow
+
+        rec = CallRecord(workflow=w, round=rnd, agent=agent, step=tracker.step, measured=measured,
+                         start=0.0, ttft_s=0.0, latency_s=0.0)
+        msgs = self.prompts.messages(w, rnd, agent)
+        if self.send_hints:
+            with kvflow.hints(h):
+                await chat_call(client, self.base_url, self.model, msgs, max_tokens=self.spec.output,
+                                stream=self.stream, rec=rec)
+        else:
+            await chat_call(client, self.base_url, self.model, msgs, max_tokens=self.spec.output,
+                            stream=self.stream, rec=rec)
+        if self.on_call is not None:
+            self.on_call(rec)
+        return rec
+
+
+def fixed_prompt_tokens(spec: WorkloadSpec, counter: TokenCounter) -> int:
+    """Tokens of all distinct fixed prompts (the working set the device fraction refers to)."""
+    p = Prompts(spec, counter)
+    n_wf = 1 if spec.share_prompts else spec.workflows
+    return sum(counter.count(p.fixed(w, a)) for w in range(n_wf) for a in spec.agent_names())
+
+
+def request_tokens(spec: WorkloadSpec, template_overhead: int = 32) -> int:
+    """Device tokens one request needs (prompt + output + chat-template slack)."""
+    return spec.fixed + spec.dynamic + spec.output + template_overhead
+
+
+def summarize_calls(calls: Sequence[CallRecord]) -> dict:
+    """Aggregate per-request numbers of the measured calls (used by the runner and PEER)."""
+    from statistics import mean, median
+
+    ok = [c for c in calls if c.ok]
+
+    def pct(xs, q):
+        xs = sorted(xs)
+        if not xs:
+            return None
+        return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+    ttft = [c.ttft_s for c in ok]
+    prompt = sum(c.prompt_tokens for c in ok)
+    have_tiers = bool(ok) and all(c.device_hit_tokens is not None for c in ok)
+    dev = sum(c.device_hit_tokens or 0 for c in ok) if have_tiers else None
+    host = sum(c.host_hit_tokens or 0 for c in ok) if have_tiers else None
+    cached = sum(c.cached_tokens for c in ok)
+    return {
+        "calls": len(calls), "errors": len(calls) - len(ok),
+        "ttft_mean_s": mean(ttft) if ttft else None, "ttft_p50_s": median(ttft) if ttft else None,
+        "ttft_p90_s": pct(ttft, 0.9),
+        "server_ttft_mean_s": (mean([c.server_ttft_s for c in ok]) if ok and all(
+            c.server_ttft_s is not None for c in ok) else None),
+        "call_latency_mean_s": mean([c.latency_s for c in ok]) if ok else None,
+        "prompt_tokens": prompt, "completion_tokens": sum(c.completion_tokens for c in ok),
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else None,
+        "device_hit_rate": dev / prompt if prompt and dev is not None else None,
+        "host_hit_rate": host / prompt if prompt and host is not None else None,
+        "miss_rate": (prompt - cached) / prompt if prompt else None,
+        "load_wait_s": (sum(c.load_wait_s or 0.0 for c in ok) if ok and any(
+            c.load_wait_s is not None for c in ok) else None),
+        "first_error": next((c.error for c in calls if not c.ok), None),
+    }

@@ -1,0 +1,306 @@
+"""``kvflow bench workflow`` and ``kvflow bench peer``: cache policies measured side by side.
+
+Each policy gets its own ``kvflow serve`` (same model, pools, page size, emulated link; only
+``--policy`` differs), started one after the other; see :mod:`kvflow_agents.bench.runner`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from typing import Optional
+
+import typer
+
+_DEFAULT_POLICIES = "lru,hicache,kvflow,oracle"
+
+
+def _policies(text: str) -> list[str]:
+    from kvflow_agents.bench.runner import parse_policies
+
+    try:
+        return parse_policies(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--policies") from None
+
+
+def escape(text: str) -> str:
+    """Escape rich markup (log lines start with "[policy]")."""
+    from rich.markup import escape as _escape
+
+    return _escape(text)
+
+
+def _round_page(n: float, page: int) -> int:
+    return int(-(-int(n) // page) * page)
+
+
+@contextmanager
+def _progress(enabled: bool, console):
+    """Yields a hook ``(event, n)`` for the runner: one bar per policy."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as prog:
+        tasks: dict = {}
+
+        def hook(event: str, n: int) -> None:
+            kind, _, label = event.partition(":")
+            if kind == "start":
+                tasks[label] = prog.add_task(f"{label:>8}", total=n)
+            elif label in tasks:
+                prog.advance(tasks[label], n)
+        yield hook
+
+
+def _emit(console, doc: dict, results, *, title: str, targets, json_path: Optional[str],
+          plot_path: Optional[str]) -> None:
+    from kvflow_agents.bench import report
+
+    if json_path == "-":
+        sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    else:
+        report.print_report(console, results, title=title, targets=targets)
+        if json_path:
+            report.write_json(doc, json_path)
+            console.print(f"[dim]JSON written to {json_path}[/]")
+    if plot_path:
+        report.plot(results, plot_path, title=title)
+        if json_path != "-":
+            console.print(f"[dim]plot written to {plot_path}[/]")
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    @bench_app.command("workflow")
+    def workflow(
+        agents: int = typer.Option(10, min=1, help="Agents in the workflow."),
+        variant: str = typer.Option("cycle", help="cycle (agent_0 -> ... -> agent_N-1 -> agent_0) or "
+                                                  "fanout (head -> N-2 parallel workers -AND-> tail -> head)."),
+        fixed: int = typer.Option(1024, min=1, help="Fixed prompt tokens per agent (its system message)."),
+        dynamic: int = typer.Option(32, min=1, help="Dynamic tokens per call (the user message)."),
+        output: int = typer.Option(16, min=1, help="Output tokens per call (max_tokens + ignore_eos)."),
+        rounds: int = typer.Option(3, min=1, help="Measured rounds per workflow and trial."),
+        warmup_rounds: int = typer.Option(1, min=0, help="Unmeasured warm-up rounds first (as the paper)."),
+        trials: int = typer.Option(2, min=1, help="Repetitions per policy; the policies' servers run side "
+                                                  "by side and trials interleave them (noise robustness)."),
+        stream: bool = typer.Option(True, help="Stream responses (client-side TTFT); --no-stream uses "
+                                               "the server-reported TTFT."),
+        workflows: int = typer.Option(1, min=1, help="Concurrent workflow instances."),
+        share_prompts: bool = typer.Option(False, help="All workflows share the same fixed prompts (one app)."),
+        policies: str = typer.Option(_DEFAULT_POLICIES, help="Comma-separated: lru,hicache,kvflow,oracle."),
+        model: str = typer.Option("tiny-random", help="Model preset for the embedded servers."),
+        device_tokens: Optional[int] = typer.Option(
+            None, help="Device KV pool (tokens). Default: --device-fraction of all fixed prompts."),
+        device_fraction: float = typer.Option(0.4, help="Default device pool as a fraction of the fixed prompts."),
+        host_tokens: Optional[int] = typer.Option(None, help="Host KV pool (tokens). Default: 2x the working set."),
+        page_size: int = typer.Option(16, min=1, help="Tokens per KV page."),
+        host_link_gbps: Optional[float] = typer.Option(
+            None, help="Emulated host link (GB/s) for every server. Default: calibrated so that "
+                       "loading a fixed prompt costs --load-fraction of recomputing it."),
+        load_fraction: float = typer.Option(1 / 3, show_default="1/3",
+                                            help="Calibration target: load time / recompute time."),
+        lookahead: int = typer.Option(1, min=0, help="Server prefetch lookahead (STE)."),
+        max_batch: int = typer.Option(16, min=1, help="Server max batch."),
+        base_url: Optional[str] = typer.Option(None, help="Measure this running server (…/v1) instead."),
+        served_model: Optional[str] = typer.Option(None, help="Model name sent with --base-url."),
+        api_key: Optional[str] = typer.Option(None, envvar="KVFLOW_API_KEY", help="API key for the server(s)."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here ('-': stdout only)."),
+        plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
+        raw: bool = typer.Option(False, help="Include every request's record in the JSON."),
+        seed: int = typer.Option(0, help="Seed of the generated prompts."),
+        progress: bool = typer.Option(True, help="Progress bars."),
+    ) -> None:
+        """The paper's synthetic workflow (fixed/dynamic/output tokens), one server per policy."""
+        from rich.console import Console
+
+        from kvflow_agents.bench import report
+        from kvflow_agents.bench.runner import ServerConfig, run_workflow_bench
+        from kvflow_agents.bench.server import ServerStartError
+        from kvflow_agents.bench.workload import (VARIANTS, WorkloadSpec, fixed_prompt_tokens,
+                                                  request_tokens, token_counter)
+
+        if variant not in VARIANTS:
+            raise typer.BadParameter(f"choose one of {', '.join(VARIANTS)}", param_hint="--variant")
+        if variant == "fanout" and agents < 3:
+            raise typer.BadParameter("the fanout variant needs at least 3 agents", param_hint="--agents")
+        if not 0 < device_fraction <= 10:
+            raise typer.BadParameter("must be in (0, 10]", param_hint="--device-fraction")
+        if host_link_gbps is not None and host_link_gbps <= 0:
+            raise typer.BadParameter("must be > 0", param_hint="--host-link-gbps")
+        if not 0 < load_fraction <= 10:
+            raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
+        pols = _policies(policies)
+        console = Console(stderr=json_out == "-")
+        spec = WorkloadSpec(agents=agents, variant=variant, fixed=fixed, dynamic=dynamic, output=output,
+                            rounds=rounds, warmup_rounds=warmup_rounds, workflows=workflows, seed=seed,
+                            share_prompts=share_prompts)
+        spec.validate()
+        counter = token_counter(model if not base_url else (served_model or model))
+        fixed_total = fixed_prompt_tokens(spec, counter)
+        meta: dict = {"bench": "workflow", "workload": spec.as_dict(), "policies_run": pols,
+                      "tokenizer": counter.name, "fixed_prompt_tokens_total": fixed_total}
+        server = None
+        if base_url:
+            console.print(f"measuring the running server at {base_url} (one column, 'external')")
+        else:
+            need = _round_page(request_tokens(spec), page_size) + page_size
+            dev = device_tokens if device_tokens is not None else max(
+                _round_page(device_fraction * fixed_total, page_size), need)
+            if dev < need:
+                raise typer.BadParameter(f"{dev} tokens cannot hold one request (~{need} tokens with "
+                                         f"fixed+dynamic+output)", param_hint="--device-tokens")
+            ws = fixed_total + workflows * spec.calls_per_round * (dynamic + output + 32)
+            host = host_tokens if host_tokens is not None else max(8192, _round_page(2 * ws, page_size))
+            link = host_link_gbps
+            if link is None and any(p in ("hicache", "kvflow") for p in pols):
+                from kvflow_agents.bench.calibrate import calibrate_link
+
+                console.print(f"[dim]calibrating the emulated host link on {model} …[/]")
+                cal = calibrate_link(model, fixed, counter=counter, dynamic=dynamic,
+                                     page_size=page_size, load_fraction=load_fraction)
+                console.print(cal.describe())
+                meta["calibration"] = cal.as_dict()
+                link = cal.link_gbps
+            console.print(f"device pool {dev} tokens = {dev / fixed_total:.0%} of the {fixed_total} "
+                          f"fixed-prompt tokens; host pool {host} tokens; host link "
+                          + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
+            server = ServerConfig(model=model, device_tokens=dev, host_tokens=host, page_size=page_size,
+                                  host_link_gbps=link, lookahead=lookahead, max_batch=max_batch)
+            meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host,
+                              "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
+                              "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total}
+        meta["command"] = "kvflow bench workflow " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "workflow"] else [])
+        try:
+            with _progress(progress and json_out != "-", console) as hook:
+                results = run_workflow_bench(spec, pols, server, counter=counter, base_url=base_url,
+                                             model=served_model or model, api_key=api_key,
+                                             trials=trials, stream=stream, progress=hook, keep_raw=raw,
+                                             log=lambda s: console.print(f"[dim]{escape(s)}[/]"))
+        except ServerStartError as e:
+            console.print(f"[red]error: a server did not start[/]\n{escape(str(e))}")
+            raise typer.Exit(3) from None
+        title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
+                 f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}")
+        targets = report.WORKFLOW_TARGETS if not base_url else ()
+        doc = report.to_json(meta, results, targets, raw=raw)
+        _emit(console, doc, results, title=title, targets=targets, json_path=json_out, plot_path=plot_out)
+        if any(r.workload.get("errors") for r in results):
+            raise typer.Exit(1)
+
+    @bench_app.command("peer")
+    def peer(
+        framework: str = typer.Option("langgraph", help="langgraph (the PEER example) or autogen."),
+        questions: int = typer.Option(2, min=1, help="Measured questions (one workflow each)."),
+        ids: Optional[str] = typer.Option(None, help="Comma-separated question ids (overrides --questions)."),
+        warmup_questions: int = typer.Option(1, min=0, help="Unmeasured warm-up questions first."),
+        jump: str = typer.Option("expressing", help="Where a failed review goes: expressing | planning."),
+        max_rounds: int = typer.Option(2, min=1, help="Most reviews per question."),
+        max_tokens: int = typer.Option(48, min=1, help="Max completion tokens per call."),
+        policies: str = typer.Option(_DEFAULT_POLICIES, help="Comma-separated: lru,hicache,kvflow,oracle."),
+        model: str = typer.Option("smollm2-135m", help="Model preset for the embedded servers."),
+        device_tokens: Optional[int] = typer.Option(
+            None, help="Device KV pool (tokens). Default: --device-fraction of the 4 agents' fixed "
+                       "prompts, at least what the largest fan-out needs."),
+        device_fraction: float = typer.Option(0.6, help="Default device pool as a fraction of the fixed prompts."),
+        host_tokens: int = typer.Option(16384, min=0, help="Host KV pool (tokens)."),
+        page_size: int = typer.Option(16, min=1, help="Tokens per KV page."),
+        host_link_gbps: Optional[float] = typer.Option(
+            None, help="Emulated host link (GB/s). Default: calibrated (load = --load-fraction x recompute)."),
+        load_fraction: float = typer.Option(1 / 3, show_default="1/3",
+                                            help="Calibration target: load time / recompute time."),
+        lookahead: int = typer.Option(1, min=0, help="Server prefetch lookahead (STE)."),
+        base_url: Optional[str] = typer.Option(None, help="Measure this running server (…/v1) instead."),
+        served_model: Optional[str] = typer.Option(None, help="Model name sent with --base-url."),
+        api_key: Optional[str] = typer.Option(None, envvar="KVFLOW_API_KEY", help="API key for the server(s)."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here ('-': stdout only)."),
+        plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
+        raw: bool = typer.Option(False, help="Include every LLM call's record in the JSON."),
+        seed: int = typer.Option(0, help="Sampling seed sent to the server."),
+        progress: bool = typer.Option(True, help="Progress bars."),
+    ) -> None:
+        """The PEER example (plan / parallel execute / express / review) as the workload."""
+        from rich.console import Console
+
+        from kvflow_agents.bench import report
+        from kvflow_agents.bench.server import ServerStartError
+
+        if framework not in ("langgraph", "autogen"):
+            raise typer.BadParameter("choose langgraph or autogen", param_hint="--framework")
+        if jump not in ("expressing", "planning"):
+            raise typer.BadParameter("choose expressing or planning", param_hint="--jump")
+        if host_link_gbps is not None and host_link_gbps <= 0:
+            raise typer.BadParameter("must be > 0", param_hint="--host-link-gbps")
+        if not 0 < device_fraction <= 10:
+            raise typer.BadParameter("must be in (0, 10]", param_hint="--device-fraction")
+        if not 0 < load_fraction <= 10:
+            raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
+        pols = _policies(policies)
+        console = Console(stderr=json_out == "-")
+        from kvflow_agents.bench import peer as peer_bench
+
+        try:
+            peer_bench.check_available(framework)
+        except peer_bench.PeerUnavailable as e:
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from None
+        opts = peer_bench.PeerOptions(questions=questions, ids=ids.split(",") if ids else None,
+                                      warmup_questions=warmup_questions, jump=jump, max_rounds=max_rounds,
+                                      max_tokens=max_tokens, seed=seed, framework=framework)
+        try:
+            qs, warm = peer_bench.pick_questions(opts)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--ids") from None
+        meta: dict = {"bench": "peer", "framework": framework, "options": opts.as_dict(),
+                      "questions": [q.id for q in qs], "warmup": [q.id for q in warm],
+                      "policies_run": pols}
+        server = None
+        if not base_url:
+            from kvflow_agents.bench.runner import ServerConfig
+
+            fixed_toks = peer_bench.fixed_prompt_tokens(model)
+            total = sum(fixed_toks.values())
+            need = peer_bench.min_device_tokens(fixed_toks, max_tokens, page_size)
+            dev = device_tokens if device_tokens is not None else max(
+                _round_page(device_fraction * total, page_size), need)
+            link = host_link_gbps
+            if link is None and any(p in ("hicache", "kvflow") for p in pols):
+                from kvflow_agents.bench.calibrate import calibrate_link
+                from kvflow_agents.bench.workload import token_counter
+
+                console.print(f"[dim]calibrating the emulated host link on {model} …[/]")
+                cal = calibrate_link(model, int(sum(fixed_toks.values()) / len(fixed_toks)),
+                                     counter=token_counter(model), dynamic=64, page_size=page_size,
+                                     load_fraction=load_fraction, samples=2)
+                console.print(cal.describe())
+                meta["calibration"] = cal.as_dict()
+                link = cal.link_gbps
+            console.print(f"fixed prompts {fixed_toks} = {total} tokens; device pool {dev} tokens "
+                          f"({dev / total:.0%}); host pool {host_tokens}; host link "
+                          + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
+            server = ServerConfig(model=model, device_tokens=dev, host_tokens=host_tokens,
+                                  page_size=page_size, host_link_gbps=link, lookahead=lookahead)
+            meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host_tokens,
+                              "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
+                              "fixed_prompt_tokens": fixed_toks}
+        meta["command"] = "kvflow bench peer " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "peer"] else [])
+        try:
+            with _progress(progress and json_out != "-", console) as hook:
+                results = peer_bench.run_peer_bench(qs, warm, opts, pols, server, base_url=base_url,
+                                                    model=served_model or model, api_key=api_key,
+                                                    progress=hook, keep_raw=raw,
+                                                    log=lambda s: console.print(f"[dim]{escape(s)}[/]"))
+        except ServerStartError as e:
+            console.print(f"[red]error: a server did not start[/]\n{escape(str(e))}")
+            raise typer.Exit(3) from None
+        title = (f"kvflow bench peer: {len(qs)} question(s) ({', '.join(q.id for q in qs)}), {model}, "
+                 f"max_tokens {max_tokens}")
+        targets = report.PEER_TARGETS if not base_url else ()
+        doc = report.to_json(meta, results, targets, raw=raw)
+        _emit(console, doc, results, title=title, targets=targets, json_path=json_out, plot_path=plot_out)
+        if any(r.workload.get("errors") for r in results):
+            raise typer.Exit(1)

@@ -1,0 +1,259 @@
+"""``kvflow bench``: the synthetic workload (token lengths, hint sequences over the wire), the
+report (ratios, targets) and one small real run through the CLI (two embedded servers).
+
+No timed assertions: the numbers depend on the machine. Only shapes, fields and invariants."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from kvflow_agents.bench import report
+from kvflow_agents.bench.runner import PolicyResult, metrics_delta, parse_policies, rotated
+from kvflow_agents.bench.workload import (ByteLevelCounter, Prompts, TokenCounter, WorkflowDriver,
+                                          WorkloadSpec, build_graph, fixed_prompt_tokens, steps)
+from kvflow_agents.cli.main import app
+from kvflow_agents.testing import RecordingOpenAIServer
+
+
+# ------------------------------------------------------------------------------ token lengths
+@pytest.mark.parametrize("n", [1, 7, 16, 255, 1024])
+def test_byte_level_text_has_exact_length(n):
+    c = ByteLevelCounter()
+    t = c.make_text(n, random.Random(n), "lead")
+    assert c.count(t) == n == len(t) and t.isascii()
+
+
+def test_prompts_lengths_distinct_and_deterministic():
+    spec = WorkloadSpec(agents=4, fixed=256, dynamic=32, output=8, workflows=2, seed=3)
+    c = ByteLevelCounter()
+    p, q = Prompts(spec, c), Prompts(spec, c)
+    fixed = {(w, a): p.fixed(w, a) for w in range(2) for a in spec.agent_names()}
+    assert all(c.count(t) == 256 for t in fixed.values())
+    assert len(set(fixed.values())) == 8                       # per agent and per workflow
+    assert len({t[:16] for t in fixed.values()}) == 8          # distinct from the first page
+    assert fixed[(1, "agent_2")] == q.fixed(1, "agent_2")      # deterministic
+    dyn = [p.dynamic(0, r, "agent_0") for r in range(3)]
+    assert all(c.count(d) == 32 for d in dyn) and len(set(dyn)) == 3
+    assert fixed_prompt_tokens(spec, c) == 8 * 256
+    shared = WorkloadSpec(agents=4, fixed=256, workflows=2, share_prompts=True)
+    ps = Prompts(shared, c)
+    assert ps.fixed(0, "agent_1") == ps.fixed(1, "agent_1")
+    assert fixed_prompt_tokens(shared, c) == 4 * 256
+    # a repeated trial sends the same fixed prompts but new dynamic parts
+    t1 = Prompts(spec, c, trial=1)
+    assert t1.fixed(0, "agent_0") == p.fixed(0, "agent_0")
+    assert t1.dynamic(0, 0, "agent_0") != p.dynamic(0, 0, "agent_0")
+    # the word-based fallback counts one token per word
+    assert TokenCounter().count(TokenCounter().make_text(50, random.Random(0))) == 50
+
+
+def test_spec_validation_and_steps():
+    with pytest.raises(ValueError):
+        WorkloadSpec(variant="ring").validate()
+    with pytest.raises(ValueError):
+        WorkloadSpec(variant="fanout", agents=2).validate()
+    spec = WorkloadSpec(agents=5, variant="fanout")
+    assert steps(spec) == [["head"], ["worker_1", "worker_2", "worker_3"], ["tail"]]
+    g = build_graph(spec)
+    assert g.joins("tail") == [["worker_1", "worker_2", "worker_3"]]
+    assert steps(WorkloadSpec(agents=3)) == [["agent_0"], ["agent_1"], ["agent_2"]]
+
+
+# ------------------------------------------------------------------------------ hints on the wire
+def _drive(spec: WorkloadSpec, stream: bool = True):
+    with RecordingOpenAIServer(reply=lambda body: "a b c") as srv:
+        drv = WorkflowDriver(spec, srv.base_url, "stub", counter=ByteLevelCounter(), run_id="t",
+                             stream=stream)
+        res = asyncio.run(drv.run())
+        return res, srv.llm_requests(), srv.hint_posts()
+
+
+def test_cycle_hint_sequence_over_the_wire():
+    spec = WorkloadSpec(agents=3, fixed=64, dynamic=16, output=4, rounds=2, warmup_rounds=1)
+    res, reqs, posts = _drive(spec)
+    assert len(reqs) == 9 and len(res.calls) == 9
+    assert [r.hints["kvflow_agent"] for r in reqs] == ["agent_0", "agent_1", "agent_2"] * 3
+    first = reqs[0].hints
+    assert first["kvflow_v"] == 1 and first["kvflow_workflow"] == "bench-t-wf0"
+    assert first["kvflow_ste"] == {"agent_0": 0, "agent_1": 1, "agent_2": 2}
+    assert first["kvflow_next"] == ["agent_1"] and first["kvflow_fixed_messages"] == 1
+    assert reqs[2].hints["kvflow_ste"] == {"agent_0": 1, "agent_1": 2, "agent_2": 0}
+    steps_sent = [r.hints["kvflow_step"] for r in reqs]
+    assert steps_sent == sorted(steps_sent) and len(set(steps_sent)) == 9
+    body = reqs[4].body
+    assert body["max_tokens"] == 4 and body["ignore_eos"] is True and body["stream"] is True
+    assert [m["role"] for m in body["messages"]] == ["system", "user"]
+    assert len(body["messages"][0]["content"]) == 64 and len(body["messages"][1]["content"]) == 16
+    assert reqs[0].headers["x-kvflow-agent"] == "agent_0"
+    # the same agent sends the same fixed prompt every round, a new dynamic part every call
+    a0 = [r.body["messages"] for r in reqs if r.hints["kvflow_agent"] == "agent_0"]
+    assert len({m[0]["content"] for m in a0}) == 1 and len({m[1]["content"] for m in a0}) == 3
+    # out-of-band end, after the last LLM request
+    assert len(posts) == 1 and posts[0].body["kvflow_event"] == "end"
+    assert posts[0].body["kvflow_workflow"] == "bench-t-wf0" and posts[0].time >= reqs[-1].time
+    # measured vs warm-up
+    assert sum(c.measured for c in res.calls) == 6 and sum(r.measured for r in res.rounds) == 2
+    assert all(c.ok and c.ttft_s <= c.latency_s for c in res.calls)
+
+
+def test_fanout_hints_and_concurrent_workflows():
+    spec = WorkloadSpec(agents=4, variant="fanout", fixed=32, dynamic=8, output=2, rounds=1,
+                        warmup_rounds=0, workflows=2)
+    res, reqs, posts = _drive(spec, stream=False)
+    assert len(reqs) == 8 and {r.hints["kvflow_workflow"] for r in reqs} == {"bench-t-wf0", "bench-t-wf1"}
+    for wf in ("bench-t-wf0", "bench-t-wf1"):
+        mine = [r.hints for r in reqs if r.hints["kvflow_workflow"] == wf]
+        head = next(h for h in mine if h["kvflow_agent"] == "head")
+        assert head["kvflow_ste"] == {"head": 0, "worker_1": 1, "worker_2": 1, "tail": 2}
+        workers = [h for h in mine if h["kvflow_agent"].startswith("worker")]
+        assert len(workers) == 2 and workers[0]["kvflow_step"] == workers[1]["kvflow_step"]
+        assert all(h["kvflow_ste"]["worker_1"] == 0 == h["kvflow_ste"]["worker_2"] for h in workers)
+        assert all(h["kvflow_ste"]["tail"] == 1 and h["kvflow_next"] == ["tail"] for h in workers)
+        tail = next(h for h in mine if h["kvflow_agent"] == "tail")
+        assert tail["kvflow_ste"]["head"] == 1 and tail["kvflow_step"] > workers[0]["kvflow_step"]
+    assert sorted(p.body["kvflow_workflow"] for p in posts) == ["bench-t-wf0", "bench-t-wf1"]
+
+
+# ------------------------------------------------------------------------------ report
+def _result(policy, lat, ttft):
+    return PolicyResult(policy, {"workflow_latency_p50_s": lat, "workflow_latency_mean_s": lat * 1.1,
+                                 "ttft_mean_s": ttft, "calls": 10, "errors": 0})
+
+
+def test_ratios_and_targets():
+    rs = [_result("lru", 3.0, 0.3), _result("hicache", 1.5, 0.15), _result("kvflow", 1.0, 0.1),
+          _result("oracle", 0.95, 0.09)]
+    rat = report.ratios(rs)
+    assert rat["kvflow"]["speedup_vs_lru"] == pytest.approx(3.0)
+    assert rat["kvflow"]["speedup_vs_hicache"] == pytest.approx(1.5)
+    assert rat["kvflow"]["latency_vs_oracle"] == pytest.approx(1 / 0.95)
+    got = report.check_targets(rs, report.WORKFLOW_TARGETS)
+    assert [t["met"] for t in got] == [True, True, True]
+    assert got[0]["measured_mean"] == pytest.approx(3.0)
+    got = report.check_targets(rs[1:], report.WORKFLOW_TARGETS)  # no lru column: not judged
+    assert got[0]["met"] is None
+    assert "kvflow" in report.plain_table(rs)
+
+
+def test_metrics_delta_and_policy_parsing():
+    before = {"hit_tokens_device": 10, "miss_tokens": 10, "load_hidden_s": 1.0, "load_exposed_s": 0.0,
+              "evictions": {"device:alloc": 1}}
+    after = {"hit_tokens_device": 40, "miss_tokens": 20, "hit_tokens_host": 0, "hit_tokens_loading": 0,
+             "load_hidden_s": 4.0, "load_exposed_s": 1.0, "evictions": {"device:alloc": 3}}
+    d = metrics_delta(before, after)
+    assert d["device_rate"] == pytest.approx(0.75) and d["load_hidden_fraction"] == pytest.approx(0.75)
+    assert d["evictions"] == {"device:alloc": 2}
+    assert metrics_delta(None, after) is None
+    assert parse_policies("lru, kvflow") == ["lru", "kvflow"]
+    for bad in ("lru,fifo", "", "lru,lru"):
+        with pytest.raises(ValueError):
+            parse_policies(bad)
+    assert rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
+
+
+# ------------------------------------------------------------------------------ CLI
+def test_cli_rejects_bad_flags():
+    runner = CliRunner()
+    env = {"COLUMNS": "200"}
+    r = runner.invoke(app, ["bench", "workflow", "--variant", "ring"], env=env)
+    assert r.exit_code == 2 and "cycle" in r.output
+    r = runner.invoke(app, ["bench", "workflow", "--policies", "lru,fifo"], env=env)
+    assert r.exit_code == 2 and "fifo" in r.output
+    r = runner.invoke(app, ["bench", "workflow", "--variant", "fanout", "--agents", "2"], env=env)
+    assert r.exit_code == 2 and "3 agents" in r.output
+    r = runner.invoke(app, ["bench", "workflow", "--device-tokens", "64", "--host-link-gbps", "1"], env=env)
+    assert r.exit_code == 2 and "cannot hold one request" in r.output
+    r = runner.invoke(app, ["bench", "peer", "--framework", "crewai"], env=env)
+    assert r.exit_code == 2 and "langgraph or autogen" in r.output
+    r = runner.invoke(app, ["bench", "workflow", "--help"], env=env)
+    assert r.exit_code == 0 and "--host-link-gbps" in r.output and "--device-fraction" in r.output
+
+
+def test_small_real_run_through_the_cli(tmp_path):
+    """tiny-random, 4 agents, fixed 256, 2 rounds, lru vs kvflow, calibrated link: JSON + PNG."""
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    r = CliRunner().invoke(app, [
+        "bench", "workflow", "--agents", "4", "--fixed", "256", "--dynamic", "32", "--output", "8",
+        "--rounds", "2", "--trials", "1", "--policies", "lru,kvflow", "--model", "tiny-random",
+        "--device-tokens", "1024", "--json", str(out), "--plot", str(png), "--no-progress"],
+        env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "speedup vs lru" in r.output and "GB/s" in r.output
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "workflow" and doc["workload"]["agents"] == 4
+    cal = doc["calibration"]
+    assert cal["link_gbps"] > 0 and cal["recompute_s"] > 0 and cal["kv_bytes_per_token"] > 0
+    assert doc["server"]["host_link_gbps"] == cal["link_gbps"] and doc["server"]["device_tokens"] == 1024
+    assert set(doc["policies"]) == {"lru", "kvflow"}
+    for name, p in doc["policies"].items():
+        w = p["workload"]
+        assert w["calls"] == 8 and w["errors"] == 0 and w["workflow_rounds"] == 2
+        for key in ("workflow_latency_mean_s", "ttft_mean_s", "ttft_p90_s", "device_hit_rate",
+                    "host_hit_rate", "miss_rate", "load_wait_s", "prompt_tokens"):
+            assert w[key] is not None, (name, key)
+        assert w["prompt_tokens"] >= 8 * (256 + 32)
+        s = p["server"]
+        for key in ("hit_tokens_device", "hit_tokens_host", "miss_tokens", "load_hidden_s",
+                    "load_exposed_s", "prefetch_issued", "prefetch_used", "device_rate"):
+            assert key in s, (name, key)
+        assert "--policy" in p["serve_argv"] and name in p["serve_argv"]
+    lru, kv = doc["policies"]["lru"], doc["policies"]["kvflow"]
+    assert lru["workload"]["host_hit_rate"] == 0 and lru["server"]["prefetch_issued"] == 0
+    # identical server flags apart from --policy
+    strip = lambda argv: [a for a in argv if a not in ("lru", "kvflow")]  # noqa: E731
+    assert strip(lru["serve_argv"]) == strip(kv["serve_argv"])
+    # kvflow: the fixed prompts come back from host or are prefetched (not recomputed)
+    assert kv["workload"]["miss_rate"] < lru["workload"]["miss_rate"]
+    assert kv["server"]["prefetch_issued"] > 0
+    assert set(doc["ratios"]) == {"lru", "kvflow"}
+    assert math.isclose(doc["ratios"]["lru"]["speedup_vs_lru"], 1.0)
+    assert [t["target"] for t in doc["targets"]][0] == "kvflow >= 3x lru"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the JSON re-renders as the Markdown table (python -m kvflow_agents.bench.report FILE)
+    md = report.plain_table(report.results_from_json(doc))
+    assert md.startswith("| metric | lru | kvflow |") and "speedup vs lru (p50)" in md
+
+
+def test_base_url_mode_against_a_recording_server(tmp_path):
+    """--base-url: one 'external' column, hints on every request, no server started."""
+    out = tmp_path / "ext.json"
+    with RecordingOpenAIServer(reply=lambda body: "x y") as srv:
+        r = CliRunner().invoke(app, [
+            "bench", "workflow", "--base-url", srv.base_url, "--served-model", "stub", "--agents", "3",
+            "--fixed", "40", "--dynamic", "8", "--output", "2", "--rounds", "1", "--trials", "2",
+            "--json", str(out), "--no-progress"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        reqs = srv.llm_requests()
+    doc = json.loads(out.read_text())
+    assert list(doc["policies"]) == ["external"] and doc["policies"]["external"]["server"] is None
+    w = doc["policies"]["external"]["workload"]
+    assert w["calls"] == 6 and w["workflow_rounds"] == 2 and w["trials"] == 2
+    hinted = [q for q in reqs if q.hints]
+    assert len(reqs) == 14 and len(hinted) == 12   # + one unhinted kernel warm-up per trial
+    assert all(q.body["model"] == "stub" for q in reqs)
+    assert len({q.hints["kvflow_workflow"] for q in hinted}) == 2   # one workflow per trial
+
+
+def test_peer_bench_wiring_against_a_recording_server(tmp_path):
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    out = tmp_path / "peer.json"
+    with RecordingOpenAIServer(reply=lambda body: '["What is A?", "What is B?", "What is C?"]') as srv:
+        r = CliRunner().invoke(app, [
+            "bench", "peer", "--base-url", srv.base_url, "--served-model", "stub", "--questions", "1",
+            "--warmup-questions", "0", "--max-rounds", "1", "--json", str(out), "--no-progress"],
+            env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        reqs = srv.llm_requests()
+    doc = json.loads(out.read_text())
+    w = doc["policies"]["external"]["workload"]
+    assert w["instrumented"] is True and w["workflow_rounds"] == 1 and w["errors"] == 0
+    assert w["calls_per_agent"] == {"planner": 1, "executor": 3, "expresser": 1, "reviewer": 1}
+    assert {q.hints["kvflow_agent"] for q in reqs} == {"planner", "executor", "expresser", "reviewer"}
+    assert doc["targets"] == []  # an external server is not judged against the targets
