@@ -33,6 +33,9 @@ PREFIX = "kvflow_"
 HEADER_WORKFLOW = "X-KVFlow-Workflow"
 HEADER_AGENT = "X-KVFlow-Agent"
 HEADER_REJECTED = "x-kvflow-hints"  # response header: "rejected: <reason>"
+# SGLang's model gateway (sgl-model-gateway) routes on this header: sending the workflow id
+# keeps one workflow's requests, and so its agents' cached prefixes, on one instance.
+HEADER_ROUTING_KEY = "x-smg-routing-key"
 
 MAX_ID_LEN = 256
 MAX_STE_AGENTS = 1024
@@ -126,11 +129,13 @@ class Hints(BaseModel):
         return out
 
     def headers(self) -> dict[str, str]:
-        """Headers mirroring the ids, for routers and access logs (ASCII-safe)."""
+        """Headers mirroring the ids, for routers and access logs (ASCII-safe); the workflow id
+        doubles as the routing key of SGLang's gateway."""
         def safe(s: str) -> str:
             return s.encode("ascii", "backslashreplace").decode("ascii")[:MAX_ID_LEN]
 
-        return {HEADER_WORKFLOW: safe(self.workflow), HEADER_AGENT: safe(self.agent)}
+        wf = safe(self.workflow)
+        return {HEADER_WORKFLOW: wf, HEADER_AGENT: safe(self.agent), HEADER_ROUTING_KEY: wf}
 
     @classmethod
     def from_custom_params(cls, params: Mapping[str, Any] | None) -> Optional["Hints"]:

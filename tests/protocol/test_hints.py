@@ -33,7 +33,8 @@ def test_custom_params_are_flat_and_sglang_safe():
 
 
 def test_headers_mirror_ids():
-    assert sample().headers() == {"X-KVFlow-Workflow": "thread-7", "X-KVFlow-Agent": "planner"}
+    assert sample().headers() == {"X-KVFlow-Workflow": "thread-7", "X-KVFlow-Agent": "planner",
+                                  "x-smg-routing-key": "thread-7"}
 
 
 def test_no_kvflow_keys_means_no_hints():
