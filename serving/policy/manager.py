@@ -9,15 +9,20 @@ pages are ever cached, so lengths below are multiples of ``page_size``):
 
 - ``KVCacheManager(policy, *, page_size, device_pages, host_pages=0, backend=None, lookahead=1,
   max_inflight_loads=4, lease_s=60.0, client_cap_pages=None, bytes_per_page=None,
-  link_bytes_per_s=None, default_step_s=1.0, infer_window=3, partial_eviction=True)``
+  link_bytes_per_s=None, default_step_s=1.0, infer_window=3, partial_eviction=True,
+  reserve_pages=0, recompute_s_per_token=None, recompute_cost=None)``
 - ``match(tokens, *, record=True) -> PrefixMatch``: longest cached prefix; device part
   (``device_len``, ``device_pages``), host-only / loading part, the lock handle ``node``.
   Splits the last node at the match end and touches LRU. ``record=False``: no hit counters
   (re-matching after a load, polling).
-- ``status(tokens) -> PrefixStatus``: READY / LOADING / NEEDS_LOAD, read-only (no split, no LRU).
-- ``load_on_demand(match) -> float | None``: start loading the host-only part of a match;
-  returns when the whole prefix is readable (backend clock), ``None`` if device space ran out
-  (then recompute). Once ``status`` says READY, ``match`` again for the device page ids.
+- ``status(tokens, *, record=False) -> PrefixStatus``: READY / LOADING / NEEDS_LOAD, read-only
+  (no split, no LRU). ``record=True``: "this request would run now but for its prefix"; the
+  prefetches in flight on its path note their first wait (see *Hidden / exposed load time*).
+  ``peek(tokens) -> PrefixMatch``: a read-only match (estimates; never lock its node).
+- ``load_on_demand(match, *, recompute_s=None) -> float | None``: start loading the host-only
+  part of a match; returns when the whole prefix is readable (backend clock), ``None`` if
+  device space ran out or recomputing is cheaper (then recompute the host part). Once
+  ``status`` says READY, ``match`` again for the device page ids.
 - ``lock(match_or_node) -> TreeNode`` / ``unlock(node)``: pin the root path of a node (no
   eviction from either tier). Lock what a running request reads; unlock when it is done.
 - ``allocate(n_pages) -> list[int] | None``: device pages for new KV, evicting per policy;
@@ -38,6 +43,18 @@ pages are ever cached, so lengths below are multiples of ``page_size``):
   ``release_workflow(workflow, app=None)``: the workflow ended; drop its hints and tags.
 - ``tick(now=None) -> TickReport``: once per scheduler step: finish due loads, expire leases,
   run the prefetch planner.
+- Prefetch admission budget: ``set_reserved_pages(n | callable)`` (or ``reserve_pages=``):
+  the device pages the engine's waiting + admitted requests will still ``allocate``; a
+  prefetch for an agent of STE ``s`` starts only if it fits in free pages + pages evictable
+  from priorities strictly larger than ``s``, beyond the reserve (``prefetch_room(s)``), so
+  the next admission does not evict it unused (thrash). A callable is evaluated only when a
+  prefetch needs room. ``reserved_pages`` reads it.
+- Load versus recompute (off by default: a host hit is always loaded): with
+  ``recompute_cost(n_tokens, ctx_tokens) -> s`` or ``recompute_s_per_token``, ``load_on_demand``
+  declines (``None``) when ``should_load(n_pages, recompute_s)`` is False, i.e. when
+  ``estimate_load_s(n_pages)`` (queueing behind in-flight loads + pages x ``secs_per_page``)
+  exceeds the recompute estimate; the planner drops a prefetch that cannot land before its
+  agent runs when the agent would wait longer than recomputing takes. ``recompute_s(n, ctx)``.
 - ``snapshot() -> dict`` (JSON-able), ``metrics`` (:class:`~.metrics.CacheMetrics`,
   ``metrics.as_dict()``), ``free_device_pages``, ``evictable_device_pages``,
   ``loads_in_flight``, ``next_load_at``, ``residency(node)``, ``on_evict`` observer,
@@ -50,7 +67,20 @@ Engine protocol per request (what SGLang's scheduler does too):
 ``status`` while waiting → ``match`` when admitted → ``load_on_demand`` if ``needs_load`` →
 ``lock`` → ``allocate`` for the uncached rest → run → ``insert`` → ``unlock`` the old handle →
 ``tag_fixed_prefix`` (or ``infer_fixed_prefix``) → ``update_hints`` as hints arrive; ``tick``
-once per scheduler step.
+once per scheduler step, after ``set_reserved_pages`` (or give a callable once).
+
+Hidden / exposed load time (``metrics.load_hidden_s`` / ``load_exposed_s``): a demand load is
+exposed from ``load_on_demand`` to its landing. A prefetch is credited at the first
+``match(record=True)`` whose path reads it: exposed = ``ready - first attempt`` (at most its
+transfer), hidden = the rest, where the first attempt is the earliest
+``status(tokens, record=True)`` that found it in flight, else that match. So an engine that
+skips a request whose prefix is LOADING (status-aware) MUST make that check with
+``status(tokens, record=True)``; with plain ``status`` the wait is counted as hidden.
+
+Wasted prefetch (``metrics.prefetch_wasted``): its pages were evicted before any
+``match(record=True)`` read them, or its workflow was released first; a plan dropped by a
+newer hint is ``prefetch_stale``, one that did not fit ``prefetch_deferred`` /
+``prefetch_budget_skips``, one dropped for recomputing ``prefetch_recompute_skips``.
 
 Invariants (besides the tree's T1-T4, see :mod:`.tree`):
 - M1: tree device pages + pages held by the engine = device pool used <= capacity (unless oracle);
@@ -58,7 +88,12 @@ Invariants (besides the tree's T1-T4, see :mod:`.tree`):
   unlocked HOST leaves (or host backups of DEVICE nodes) are host-eviction candidates;
 - M3: under ``kvflow`` a node is evicted only when no candidate has a larger priority, so the
   dynamic suffix (+inf) goes before any tagged prefix of finite STE;
-- M4: a prefetch never evicts a node whose priority is <= the STE of the agent it fetches for.
+- M4: a prefetch never evicts a node whose priority is <= the STE of the agent it fetches for;
+- M5: a prefetch starts only if ``pages <= free + evictable above its STE - reserved pages``
+  (so it does not take room an admission will reclaim, nor evict and then fail for lack of
+  room, except when an evictable node sits above a loading child: counted, not yet evictable). An allocation
+  evicts a prefetched, unused prefix (priority <= its STE) only after every candidate of larger
+  priority (M3); just-fetched nodes are the most recently used among equal priorities.
 """
 
 from __future__ import annotations
@@ -127,6 +162,7 @@ class Load:
     done: bool = False
     used: bool = False
     wasted: bool = False
+    first_wait: float | None = None  # first time a request found it in flight (status record)
 
 
 @dataclass
@@ -153,7 +189,10 @@ class KVCacheManager:
                  max_inflight_loads: int = 4, lease_s: float = 60.0,
                  client_cap_pages: int | None = None, bytes_per_page: int | None = None,
                  link_bytes_per_s: float | None = None, default_step_s: float = 1.0,
-                 infer_window: int = 3, partial_eviction: bool = True) -> None:
+                 infer_window: int = 3, partial_eviction: bool = True,
+                 reserve_pages: "int | Callable[[], int]" = 0,
+                 recompute_s_per_token: float | None = None,
+                 recompute_cost: Callable[[int, int], float] | None = None) -> None:
         self.policy = get_policy(policy)
         self.page_size = page_size
         self.backend = backend if backend is not None else NullTransferBackend()
@@ -176,6 +215,13 @@ class KVCacheManager:
         self._configured_spp = (bpp / bw) if bpp and bw else None
         self._measured_spp: float | None = None
         self.planner = PrefetchPlanner(lookahead=lookahead, secs_per_page=self._configured_spp or 0.0)
+        # Prefetch admission budget: device pages queued / admitted work will still allocate.
+        self._reserve: "int | Callable[[], int]" = reserve_pages
+        # Load-versus-recompute: off (always load a host hit) unless the engine gives an estimate.
+        self.recompute_s_per_token = recompute_s_per_token
+        self.recompute_cost = recompute_cost
+        self._prefetch_by_tag: dict = {}     # tag -> its latest prefetch Load (wasted on release)
+        self._tag_seq: dict = {}             # tag -> order of first tagging (deterministic plans)
         # Optional observer, called as on_evict(node, tier, priority, reason) before a node
         # leaves a tier; tests use it to check eviction order.
         self.on_evict: Callable[[TreeNode, str, float, str], None] | None = None
@@ -221,10 +267,91 @@ class KVCacheManager:
             self._record_match(m, path, now)
         return m
 
-    def status(self, tokens: Sequence[int]) -> PrefixStatus:
+    def status(self, tokens: Sequence[int], *, record: bool = False) -> PrefixStatus:
+        """READY / LOADING / NEEDS_LOAD, read-only (no split, no LRU, no hit counters).
+
+        ``record=True``: the caller is a request that would run now but for its prefix; every
+        prefetch still in flight on that path notes this as its first wait (once), so the
+        hidden/exposed accounting charges ``ready - first wait`` as exposed. Status-aware
+        engines must pass it when they skip a request because of a load."""
+        now = self.backend.now()
+        self._poll_loads(now)
+        path, cached = self.tree.match(tokens, split=False)
+        m = self._classify(path, cached, len(tokens))
+        if record and m.loading:
+            for n in path:
+                ld = n.load
+                if (n.state is LOADING and ld is not None and not ld.done
+                        and ld.first_wait is None):
+                    ld.first_wait = now
+        return m.status
+
+    def peek(self, tokens: Sequence[int]) -> PrefixMatch:
+        """Like ``match`` but read-only (no split, no LRU, no counters): for estimates such as
+        how many pages a waiting request will still allocate. Do not lock its ``node``."""
         self._poll_loads(self.backend.now())
         path, cached = self.tree.match(tokens, split=False)
-        return self._classify(path, cached, len(tokens)).status
+        return self._classify(path, cached, len(tokens))
+
+    # ---------------------------------------------------------------- prefetch budget
+    def set_reserved_pages(self, pages: "int | Callable[[], int]") -> None:
+        """Device pages that queued + admitted requests will still allocate (an int, or a
+        callable the manager evaluates only when a prefetch needs room). Prefetch never
+        takes this space: it uses only free pages plus pages evictable from nodes of strictly
+        larger priority, beyond the reserve. Update it every scheduler step (or pass a callable
+        once). 0 (default) = no reserve."""
+        self._reserve = pages
+
+    @property
+    def reserved_pages(self) -> int:
+        r = self._reserve
+        v = r() if callable(r) else r
+        return max(0, int(v or 0))
+
+    def _evictable_above(self, ste: float) -> int:
+        """Pages in unlocked device-resident nodes whose priority is strictly larger than
+        ``ste`` (what a prefetch for an agent of that STE may evict). O(nodes)."""
+        prio = self.index.priority
+        total = 0
+        for n in self.tree.iter_nodes():
+            if n.state is DEVICE and n.lock_ref == 0 and prio(n) > ste:
+                total += len(n.device_pages)
+        return total
+
+    def prefetch_room(self, ste: float) -> int:
+        """Device pages a prefetch for an agent of STE ``ste`` may take now: free pages +
+        pages evictable from strictly larger priorities - the reserve."""
+        return self.device.num_free + self._evictable_above(ste) - self.reserved_pages
+
+    # ---------------------------------------------------------------- load vs recompute
+    @property
+    def secs_per_page(self) -> float:
+        """Host->device seconds per page: configured (bytes / link) or measured; 0 unknown."""
+        return self._configured_spp or self._measured_spp or 0.0
+
+    def estimate_load_s(self, n_pages: int, now: float | None = None) -> float:
+        """Seconds until ``n_pages`` started now would land: queueing behind in-flight loads
+        on the (FIFO) link + transfer."""
+        now = self.backend.now() if now is None else now
+        return max(0.0, self._link_free_at - now) + n_pages * self.secs_per_page
+
+    def recompute_s(self, n_tokens: int, ctx_tokens: int = 0) -> float | None:
+        """The engine's estimate of recomputing ``n_tokens`` after ``ctx_tokens`` cached ones
+        (``recompute_cost`` or ``recompute_s_per_token``); ``None``: no estimate given."""
+        if self.recompute_cost is not None:
+            return float(self.recompute_cost(n_tokens, ctx_tokens))
+        if self.recompute_s_per_token is not None:
+            return n_tokens * self.recompute_s_per_token
+        return None
+
+    def should_load(self, n_pages: int, recompute_s: float | None = None,
+                    now: float | None = None) -> bool:
+        """Load ``n_pages`` from host rather than recompute them? True without an estimate
+        (``recompute_s`` None) or when the estimated load time is <= ``recompute_s``.
+        Override (subclass) for another rule."""
+        if recompute_s is None:
+            return True
+        return self.estimate_load_s(n_pages, now) <= recompute_s
 
     def _classify(self, path: list[TreeNode], cached: int, asked: int) -> PrefixMatch:
         device_len, pages, device_node = 0, [], self.tree.root
@@ -266,11 +393,15 @@ class KVCacheManager:
                 continue
             ld.used = True
             mt.prefetch_used += 1
-            if ld.done or now >= ld.ready:
-                mt.load_hidden_s += ld.ready - ld.start
-            else:
-                mt.load_hidden_s += max(0.0, now - ld.start)
-                mt.load_exposed_s += ld.ready - now
+            if self._prefetch_by_tag.get(ld.tag) is ld:
+                del self._prefetch_by_tag[ld.tag]
+            # Exposed = what the first request that wanted it waited: from its first attempt
+            # (status(record=True), else this match) to the landing; the rest was hidden.
+            first = now if ld.first_wait is None else min(ld.first_wait, now)
+            transfer = max(0.0, ld.ready - ld.start)
+            exposed = min(transfer, max(0.0, ld.ready - max(first, ld.start)))
+            mt.load_hidden_s += transfer - exposed
+            mt.load_exposed_s += exposed
 
     # ================================================================ locking
     def lock(self, target: "PrefixMatch | TreeNode") -> TreeNode:
@@ -382,6 +513,7 @@ class KVCacheManager:
             return rec.node
         if rec is None:
             rec = self._records[tag] = AgentPrefix(tag, prefix, None)
+            self._tag_seq.setdefault(tag, next(self._seq))
             self._wf_tags.setdefault(wf, set()).add(tag)
         elif rec.tokens != prefix:
             self.index.remove_tag(tag)
@@ -476,8 +608,13 @@ class KVCacheManager:
         wf = workflow_key(workflow, app)
         w = self.hints.release(wf)
         for tag in self._wf_tags.pop(wf, ()):
+            ld = self._prefetch_by_tag.pop(tag, None)
+            if ld is not None and not ld.used and not ld.wasted:
+                ld.wasted = True  # fetched for an agent that will not run any more
+                self.metrics.prefetch_wasted += 1
             self.index.remove_tag(tag)
             self._records.pop(tag, None)
+            self._tag_seq.pop(tag, None)
             self._near.discard(tag)
             self._host_tags.discard(tag)
             self._pending.discard(tag)
@@ -539,9 +676,13 @@ class KVCacheManager:
         return report
 
     # ================================================================ loads
-    def load_on_demand(self, match: PrefixMatch) -> float | None:
+    def load_on_demand(self, match: PrefixMatch, *, recompute_s: float | None = None) -> float | None:
         """Load the host-only part of ``match``'s path. Returns the time (backend clock) the
-        whole matched prefix is readable, or ``None`` if device space could not be found."""
+        whole matched prefix is readable, or ``None`` (recompute the host part) if device space
+        could not be found or, with a recompute estimate, when ``should_load`` says recomputing
+        is cheaper. The estimate is ``recompute_s`` (the engine's, for this request: e.g. with
+        the part of a load its own prefill hides) or else the manager's ``recompute_cost`` /
+        ``recompute_s_per_token``; with neither, a host hit is always loaded."""
         now = self.backend.now()
         self._poll_loads(now)
         node = match.node
@@ -557,6 +698,20 @@ class KVCacheManager:
                 ready = max(ready, n.load.ready)
         if not host_nodes or not self.policy.host_tier:
             return ready
+        k = sum(len(n.host_pages) for n in host_nodes)
+        if (recompute_s is not None or self.recompute_cost is not None
+                or self.recompute_s_per_token is not None):
+            if recompute_s is None:
+                ctx = 0
+                for n in path:
+                    if n is host_nodes[0]:
+                        break
+                    ctx += len(n.key)
+                recompute_s = self.recompute_s(k * self.page_size, ctx)
+            if not self.should_load(k, recompute_s, now):
+                self.metrics.loads_declined += 1
+                self.metrics.declined_pages += k
+                return None  # recomputing the host part is cheaper than waiting for it
         self.lock(node)
         try:
             ld = self._start_load(host_nodes, "demand", "load", None, now)
@@ -634,7 +789,10 @@ class KVCacheManager:
         cands = []
         records, index, hints = self._records, self.index, self.hints
         near, host_tags = self._near, self._host_tags
-        for tag in (near & host_tags if len(near) < len(host_tags) else host_tags & near):
+        # sorted by first tagging: set order follows str hashes (PYTHONHASHSEED), and the
+        # planner keeps input order among equally urgent candidates
+        for tag in sorted(near & host_tags if len(near) < len(host_tags) else host_tags & near,
+                          key=self._tag_seq.__getitem__):
             node = records[tag].node
             if node is None or node.state is not HOST or node.detached:
                 continue  # defensive: the set says host-only
@@ -643,21 +801,27 @@ class KVCacheManager:
                 pages += len(n.host_pages)
                 n = n.parent
             wf = tag[0]
+            rec_s = None
+            if self.recompute_cost is not None or self.recompute_s_per_token is not None:
+                rec_s = self.recompute_s(pages * self.page_size,
+                                         len(records[tag].tokens) - pages * self.page_size)
             cands.append(PrefetchCandidate(tag, index.ste(tag), pages,
                                            hints.step_seconds(wf, self.default_step_s), node,
-                                           hints.step_elapsed(wf, now)))
+                                           hints.step_elapsed(wf, now), rec_s))
         previously = self._pending
         if not cands and not previously:
             return []
         self.planner.lookahead = self.lookahead
         self.planner.secs_per_page = self._configured_spp or self._measured_spp or 0.0
         plan = self.planner.plan(cands, link_busy_s=max(0.0, self._link_free_at - now))
+        self.metrics.prefetch_recompute_skips += len(self.planner.last_skipped)
         planned = {p.candidate.tag for p in plan}
         for tag in previously - planned:
             rec = records.get(tag)
             if rec is not None and rec.node is not None and rec.node.state is HOST:
                 self.metrics.prefetch_stale += 1  # a newer hint made this plan moot
         started, pending = [], set()
+        reserve: int | None = None       # evaluated lazily: only when a prefetch needs room
         for p in plan:
             c = p.candidate
             node = c.node
@@ -671,6 +835,18 @@ class KVCacheManager:
                 host_nodes.append(n)
                 n = n.parent
             host_nodes.reverse()
+            k = sum(len(x.host_pages) for x in host_nodes)
+            if self.policy.evicts:
+                # Budget: free + evictable-above-STE pages beyond what queued / admitted work
+                # will allocate; else the next allocation would evict this prefetch (thrash).
+                free = self.device.num_free
+                if reserve is None:
+                    reserve = self.reserved_pages
+                if free - reserve < k and (free + self._evictable - reserve < k
+                                           or free + self._evictable_above(c.ste) - reserve < k):
+                    pending.add(c.tag)
+                    self.metrics.prefetch_budget_skips += 1
+                    continue
             self.lock(node)
             try:
                 ld = self._start_load(host_nodes, "prefetch", "prefetch", c.ste, now, c.tag)
@@ -679,6 +855,11 @@ class KVCacheManager:
             if ld is None:
                 pending.add(c.tag)
                 continue
+            self._clock += 1  # just fetched: newest among equal priorities (LRU tie-break)
+            for x in host_nodes:
+                x.last_access = self._clock
+                self._reindex(x)  # (a no-op while LOADING; an instant load landed already)
+            self._prefetch_by_tag[c.tag] = ld
             started.append(c.tag)
             self.metrics.prefetch_issued += 1
             self.metrics.prefetch_pages += ld.pages
@@ -790,6 +971,8 @@ class KVCacheManager:
         if ld is not None and ld.kind == "prefetch" and not ld.used and not ld.wasted:
             ld.wasted = True
             self.metrics.prefetch_wasted += 1
+            if self._prefetch_by_tag.get(ld.tag) is ld:
+                del self._prefetch_by_tag[ld.tag]
         if n.host_pages is not None:
             n.set_state(HOST)
             if n in self.index._node_tags:

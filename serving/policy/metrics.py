@@ -2,7 +2,11 @@
 
 Units: tokens for hits/misses, pages for evictions and backups, seconds for load time.
 ``load_hidden_s`` is load time overlapped with other work (a prefetch finished, or was partly
-done, before its first use); ``load_exposed_s`` is load time a request had to wait for.
+done, before its first use); ``load_exposed_s`` is load time a request had to wait for: for a
+demand load its whole remaining transfer; for a prefetch ``ready - first attempt``, where the
+first attempt is the first ``status(tokens, record=True)`` that found it in flight (else the
+first ``match(record=True)``) -- so a status-aware engine must call ``status(..., record=True)``
+when it skips a request for a load, or the wait is counted as hidden.
 """
 
 from __future__ import annotations
@@ -27,9 +31,13 @@ class CacheMetrics:
     prefetch_issued: int = 0
     prefetch_pages: int = 0
     prefetch_used: int = 0
-    prefetch_wasted: int = 0          # evicted from device before any use
+    prefetch_wasted: int = 0          # evicted from device, or its workflow released, before any use
     prefetch_stale: int = 0           # planned but dropped because a newer hint changed plans
     prefetch_deferred: int = 0        # planned but not started (in-flight limit / no room)
+    prefetch_budget_skips: int = 0    # not started: no room beyond the reserve (per attempt)
+    prefetch_recompute_skips: int = 0  # dropped by the planner: late, recompute cheaper (per plan)
+    loads_declined: int = 0           # load_on_demand returned None: recompute cheaper than loading
+    declined_pages: int = 0           # host pages of those declined loads (recomputed instead)
     load_hidden_s: float = 0.0
     load_exposed_s: float = 0.0
 

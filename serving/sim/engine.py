@@ -28,6 +28,19 @@ Loads (documented choices):
   Time a request waits on loads is exposed load time.
 - no host room / no device room for a load: the host part is recomputed (``load_on_demand``
   returned ``None``).
+
+Policy-core hooks the simulator uses (``reserve=True``, ``load_vs_recompute=None`` defaults):
+- prefetch budget: the manager gets a callable reserve = device pages the waiting queue will
+  still allocate (prompt + output - its cached device / loading prefix; running requests
+  reserved theirs at admission), so a prefetch never takes room the next admission reclaims.
+- status-aware waits are recorded with ``status(prompt, record=True)``, so the core's
+  ``load_hidden_fraction`` counts them as exposed.
+- load versus recompute (``kvflow`` only by default: ``hicache`` models SGLang HiCache as
+  shipped, which always loads): the manager's ``recompute_cost`` is the marginal prefill of
+  the host tokens x (1 + running requests + the prefill batch being formed) (recomputing
+  stalls them all; waiting for a skipped request's load does not); an inline load (the batch stalls on it) passes its own
+  ``recompute_s`` = r + C (1 - 1/layers) with C = the batch's compute so far (layer-wise:
+  loading costs max(C, R + C/L), recomputing C + r).
 """
 
 from __future__ import annotations
@@ -154,7 +167,8 @@ class Simulator:
     def __init__(self, profile: Profile, workload: Workload, policy: str, *,
                  lookahead: int = 1, max_inflight_loads: int = 4, max_running: int = 256,
                  max_prefill_tokens: int = 16384, lease_s: float = 3600.0,
-                 layerwise: bool = True) -> None:
+                 layerwise: bool = True, reserve: bool = True,
+                 load_vs_recompute: Optional[bool] = None) -> None:
         self.p = profile
         self.w = workload
         self.policy = get_policy(policy)
@@ -174,9 +188,22 @@ class Simulator:
         self.device_tokens, self.host_tokens = dev, host
         self.t = 0.0
         self.backend = SimBackend(profile, ps, lambda: self.t)
+        if load_vs_recompute is None:  # HiCache as SGLang ships it always loads a host hit
+            load_vs_recompute = self.policy.name == "kvflow"
+        self.load_vs_recompute = load_vs_recompute
+        # Recomputing n tokens (marginal prefill after ctx cached ones; the batch pays `a`
+        # anyway) stalls every running request for that long, while waiting for a load
+        # delays only the request (status-aware: the others keep running), so the cost the
+        # manager compares a load with is recompute x (1 + running + batch being formed).
+        rec = ((lambda n, ctx: self._recompute(n, ctx)
+                * (1 + len(self.running) + len(self._admitting)))
+               if load_vs_recompute else None)
+        self._admitting: list = []  # the prefill batch being formed (_admit)
         self.mgr = KVCacheManager(self.policy, page_size=ps, device_pages=dev // ps,
                                   host_pages=host // ps, backend=self.backend, lookahead=lookahead,
-                                  max_inflight_loads=max_inflight_loads, lease_s=lease_s)
+                                  max_inflight_loads=max_inflight_loads, lease_s=lease_s,
+                                  reserve_pages=self._reserve if reserve else 0,
+                                  recompute_cost=rec)
         self.max_running, self.max_prefill = max_running, max_prefill_tokens
         self.layerwise = layerwise
         self.tokens = Tokens()
@@ -230,13 +257,14 @@ class Simulator:
     def _admit(self) -> list[Req]:
         mgr, ps = self.mgr, self.ps
         admitted, keep, budget = [], [], self.max_prefill
+        self._admitting = admitted
         aware = self.policy.status_aware
         blocked = False
         for r in self.waiting:
             if blocked or budget <= 0 or len(self.running) + len(admitted) >= self.max_running:
                 keep.append(r)
                 continue
-            if aware and mgr.status(r.prompt) is LOADING:
+            if aware and mgr.status(r.prompt, record=True) is LOADING:
                 self._wait(r, self._loading_ready(r.prompt))
                 keep.append(r)
                 continue
@@ -250,14 +278,25 @@ class Simulator:
                 if (aware and m.needs_load and (self.running or admitted)
                         and self.p.load_s(m.cached_len - m.device_len) > hide):
                     got = mgr.load_on_demand(m)   # async: skip until it lands
-                    if mgr.status(r.prompt) is LOADING:
+                    if mgr.status(r.prompt, record=True) is LOADING:
                         self._wait(r, got if got is not None else self._loading_ready(r.prompt))
                         keep.append(r)
                         continue
                     m = mgr.match(r.prompt, record=False)
                     cached = m.device_len
                 else:
-                    got = mgr.load_on_demand(m)
+                    # inline: the batch stalls on the load as it would on recomputing, less
+                    # what its own prefill hides (layer-wise), so compare for this batch alone
+                    rec = None
+                    if self.load_vs_recompute and m.needs_load:
+                        # load: batch takes max(C, R + C/L); recompute: C + r. Load iff
+                        # R <= r + C (1 - 1/L), C = the batch's compute so far with this one
+                        rec = self._recompute(m.cached_len - m.device_len, m.device_len)
+                        if self.layerwise:
+                            c = self.p.prefill_s([(x.n_new, x.cached) for x in admitted]
+                                                 + [(len(r.prompt) - m.cached_len, m.cached_len)])
+                            rec += c * (1 - 1 / self.p.layers)
+                    got = mgr.load_on_demand(m, recompute_s=rec)
                     if got is not None:
                         ready, cached = got, m.cached_len
             handle = mgr.lock(m)
@@ -279,7 +318,22 @@ class Simulator:
             budget -= r.n_new
             admitted.append(r)
         self.waiting = keep
+        self._admitting = []
         return admitted
+
+    def _recompute(self, n: int, ctx: int) -> float:
+        return self.p.prefill_s([(n, ctx)]) - self.p.prefill_a
+
+    def _reserve(self) -> int:
+        """Device pages the waiting queue will still allocate (running requests reserved
+        prompt + output at admission): the prefetch budget keeps clear of them. Evaluated by
+        the manager only when a prefetch needs room."""
+        ps, need = self.ps, 0
+        for r in self.waiting:
+            m = self.mgr.peek(r.prompt)
+            have = m.device_len if m.needs_load else m.cached_len
+            need += -(-(len(r.prompt) + len(r.out)) // ps) - have // ps
+        return need
 
     def _wait(self, r: Req, until: float) -> None:
         """``r`` was skipped for a load landing at ``until``: that wait is exposed load time

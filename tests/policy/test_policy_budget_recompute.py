@@ -1,0 +1,271 @@
+"""The three policy-core fixes the simulator asked for:
+
+1. prefetch admission budget (``reserve_pages`` / ``set_reserved_pages``): a prefetch never
+   takes device space that queued / admitted work will allocate, so it is not evicted before use
+   (thrash); wasted = evicted unused or its workflow released;
+2. honest hidden/exposed accounting: ``status(tokens, record=True)`` marks when a request first
+   waited on an in-flight prefetch, and that wait is exposed;
+3. load versus recompute: ``recompute_s_per_token`` / ``recompute_cost`` / ``load_on_demand(...,
+   recompute_s=)`` and the planner's ``PrefetchCandidate.recompute_s``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvflow_agents.serving.policy import PrefetchCandidate, PrefetchPlanner, PrefixStatus
+from policy_driver import make_manager
+
+INF = math.inf
+
+
+def put(m, tokens, wf=None, agent=None, fixed=None):
+    pm = m.match(tokens, record=False)
+    h = m.lock(pm)
+    pages = m.allocate(len(tokens) // m.page_size - len(pm.device_pages))
+    assert pages is not None
+    node = m.insert(tokens, pm.device_pages + pages)
+    m.unlock(h)
+    if agent:
+        m.tag_fixed_prefix(tokens, fixed if fixed is not None else len(tokens), wf, agent)
+    return node
+
+
+def host_only(m, tokens, wf, agent):
+    """Put an agent's prefix on device, then push it to host."""
+    put(m, tokens, wf, agent, len(tokens))
+    held = m.allocate(m.device.num_free + m.evictable_device_pages)
+    assert m.residency(m._records[(wf, agent)].node) == "host"
+    m.free(held)
+
+
+# ------------------------------------------------------------------ 1. prefetch budget
+def _overflowing_pool(reserve):
+    """16 device pages: 12 locked by three running requests, 4 of a finished request's
+    leftovers (+inf, unlocked), 0 free; agent A's 4-page prefix is host-only (STE 1 next)."""
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, reserve_pages=reserve)
+    host_only(m, [10] * 4, "w", "A")
+    running = []
+    for i in range(3):
+        toks = [100 + i] * 4
+        put(m, toks)
+        running.append(m.lock(m.match(toks, record=False)))
+    put(m, [50, 51, 52, 53])                       # finished request's leftovers
+    assert m.device.num_free == 0 and m.evictable_device_pages == 4
+    return m, running
+
+
+@pytest.mark.parametrize("reserve", [0, 4])
+def test_prefetch_does_not_take_room_an_admission_will_reclaim(reserve):
+    """The simulator's thrash, manager-level: with no reserve the prefetch evicts the leftovers
+    to place A, and the next admitted request's allocation (everything else is locked) evicts
+    the prefetched, still unused prefix. With the waiting request's 4 pages reserved the
+    prefetch waits, the allocation takes the leftovers, and nothing is wasted."""
+    m, running = _overflowing_pool(reserve)
+    m.update_hints("w", {"A": 1})
+    if reserve == 0:  # the thrash (pre-fix behaviour, still what an engine without reserve gets)
+        assert m.metrics.prefetch_issued == 1
+        assert m.residency(m._records[("w", "A")].node) == "device"
+    else:
+        assert m.metrics.prefetch_issued == 0 and m.metrics.prefetch_budget_skips >= 1
+        assert m.residency(m._records[("w", "A")].node) == "host"
+        assert m.evictable_device_pages == 4  # nothing was evicted for a prefetch
+    pages = m.allocate(4)                          # the waiting request is admitted
+    assert pages is not None
+    if reserve == 0:
+        assert m.metrics.prefetch_wasted == 1 and m.metrics.prefetch_used == 0
+        assert m.residency(m._records[("w", "A")].node) == "host"
+    else:
+        assert m.metrics.prefetch_wasted == 0
+        # a running request finishes and the queue is empty: now the prefetch fits
+        m.set_reserved_pages(0)
+        m.free(pages)
+        m.unlock(running.pop())
+        rep = m.tick()
+        assert rep.prefetches_started == [("w", "A")]
+        assert m.match([10] * 4).device_len == 4 and m.metrics.prefetch_used == 1
+        assert m.metrics.prefetch_wasted == 0
+    m.check_invariants()
+
+
+def test_reserve_callable_is_evaluated_only_when_a_prefetch_needs_room():
+    calls = []
+
+    def reserve():
+        calls.append(1)
+        return 0
+
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, reserve_pages=reserve)
+    host_only(m, [10] * 4, "w", "A")
+    m.update_hints("w", {"A": 5})                  # beyond lookahead: no candidate
+    assert not calls
+    m.update_hints("w", {"A": 1})
+    assert calls and m.metrics.prefetch_issued == 1
+    assert m.reserved_pages == 0
+
+
+def test_prefetch_room_counts_only_strictly_larger_priorities():
+    m = make_manager("kvflow", page_size=1, device_pages=12, host_pages=64)
+    put(m, [1] * 3, "w", "B", 3)
+    put(m, [2] * 3, "w", "C", 3)
+    put(m, [3] * 3)                                # +inf
+    m.update_hints("w", {"B": 1, "C": 2})
+    assert m.device.num_free == 3
+    assert m.prefetch_room(1) == 3 + 3 + 3         # free + C (2) + suffix (inf)
+    assert m.prefetch_room(2) == 3 + 3
+    m.set_reserved_pages(5)
+    assert m.prefetch_room(2) == 1
+
+
+def test_allocation_evicts_larger_priorities_before_an_unused_prefetch():
+    """Verify the existing order: a prefetched, unused prefix (STE 1) goes only after every
+    node of larger priority (+inf suffixes, STE 2); among equal priorities the just-fetched one
+    is the most recently used."""
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64)
+    host_only(m, [10] * 3, "w", "A")
+    put(m, [20] * 3, "w", "B", 3)                  # STE 2
+    put(m, [21] * 3, "w", "D", 3)                  # STE 1, used before A's prefetch
+    put(m, [30] * 3)                               # +inf
+    log = []
+    m.on_evict = lambda n, tier, prio, reason: log.append((tier, prio, reason))
+    m.update_hints("w", {"A": 1, "B": 2, "D": 1})
+    assert m.residency(m._records[("w", "A")].node) == "device"
+    assert m.metrics.prefetch_issued == 1
+    free = m.device.num_free
+    got = m.allocate(free + 9)                     # +inf (3) and B (3) and D (3), not A
+    assert got is not None
+    assert [p for t, p, _ in log if t == "device"] == [INF, 2, 1]
+    assert m.residency(m._records[("w", "A")].node) == "device"
+    assert m.residency(m._records[("w", "D")].node) == "host"
+    assert m.metrics.prefetch_wasted == 0
+    m.check_invariants()
+
+
+def test_prefetch_wasted_when_evicted_unused_or_released_not_when_stale():
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64)
+    host_only(m, [10] * 3, "w", "A")
+    host_only(m, [11] * 3, "v", "B")
+    m.update_hints("w", {"A": 1})
+    m.update_hints("v", {"B": 1})
+    assert m.metrics.prefetch_issued == 2
+    m.update_hints("w", {"A": 4})                  # newer hint: not wasted by itself
+    assert m.metrics.prefetch_wasted == 0
+    m.release_workflow("w")                        # A will never run: wasted
+    assert m.metrics.prefetch_wasted == 1
+    assert m.match([11] * 3).device_len == 3       # B used
+    m.release_workflow("v")                        # used before release: not wasted
+    assert m.metrics.prefetch_wasted == 1 and m.metrics.prefetch_used == 1
+    m.check_invariants()
+
+
+# ------------------------------------------------------------------ 2. hidden / exposed
+@pytest.mark.parametrize("record", [False, True])
+def test_status_record_charges_the_wait_on_an_in_flight_prefetch(record):
+    """3-page prefetch at 1 page/s, started at 0, ready at 3. The request first tries at 1
+    (status says LOADING: a status-aware engine skips it), runs at 4 after the load landed.
+    Honest: 1 s hidden, 2 s exposed. Without ``record`` the wait is invisible to the core."""
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0)
+    host_only(m, [10] * 3, "w", "A")
+    m.update_hints("w", {"A": 1}, now=0.0)
+    m.clock.t = 1.0
+    assert m.status([10] * 3, record=record) is PrefixStatus.LOADING
+    m.clock.t = 2.0
+    assert m.status([10] * 3, record=record) is PrefixStatus.LOADING  # first attempt kept
+    m.clock.t = 4.0
+    m.tick()
+    assert m.status([10] * 3, record=record) is PrefixStatus.READY
+    pm = m.match([10] * 3)
+    assert pm.device_len == 3 and m.metrics.prefetch_used == 1
+    if record:
+        assert m.metrics.load_hidden_s == pytest.approx(1.0)
+        assert m.metrics.load_exposed_s == pytest.approx(2.0)
+        assert m.metrics.as_dict()["load_hidden_fraction"] == pytest.approx(1 / 3)
+    else:
+        assert m.metrics.load_hidden_s == pytest.approx(3.0) and m.metrics.load_exposed_s == 0
+
+
+def test_status_record_after_landing_or_without_load_changes_nothing():
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0)
+    host_only(m, [10] * 3, "w", "A")
+    m.update_hints("w", {"A": 1}, now=0.0)
+    m.clock.t = 5.0
+    assert m.status([10] * 3, record=True) is PrefixStatus.READY
+    assert m.status([99] * 3, record=True) is PrefixStatus.READY
+    m.match([10] * 3)
+    assert m.metrics.load_hidden_s == pytest.approx(3.0) and m.metrics.load_exposed_s == 0
+
+
+# ------------------------------------------------------------------ 3. load vs recompute
+def test_load_on_demand_declines_when_recompute_is_cheaper():
+    # 4 pages at 1 page/s = 4 s of load
+    for per_token, loads in ((0.5, False), (2.0, True), (None, True)):
+        m = make_manager("hicache", page_size=1, device_pages=8, host_pages=64, link=1.0,
+                         recompute_s_per_token=per_token)
+        put(m, [1, 2, 3, 4])
+        m.free(m.allocate(8))                      # push it to host
+        pm = m.match([1, 2, 3, 4])
+        assert pm.needs_load
+        assert m.estimate_load_s(4) == pytest.approx(4.0)
+        got = m.load_on_demand(pm)
+        if loads:
+            assert got == pytest.approx(4.0) and m.metrics.demand_loads == 1
+        else:
+            assert got is None and m.metrics.loads_declined == 1
+            assert m.metrics.declined_pages == 4 and m.metrics.demand_loads == 0
+            assert m.status([1, 2, 3, 4]) is PrefixStatus.NEEDS_LOAD  # nothing moved
+            # the engine's own estimate for this request wins (e.g. a load its prefill hides)
+            assert m.load_on_demand(pm, recompute_s=10.0) == pytest.approx(4.0)
+        m.check_invariants()
+
+
+def test_load_estimate_includes_queueing_behind_in_flight_loads():
+    m = make_manager("hicache", page_size=1, device_pages=16, host_pages=64, link=1.0,
+                     recompute_cost=lambda n, ctx: 2.5 * n)  # 2.5 s per token
+    put(m, [1, 2, 3])
+    put(m, [7])
+    m.free(m.allocate(16 - 0))                     # both to host
+    assert m.load_on_demand(m.match([1, 2, 3])) == pytest.approx(3.0)  # 3 s <= 7.5 s
+    assert m.estimate_load_s(1) == pytest.approx(4.0)                # 3 s queue + 1 s
+    assert m.should_load(1, 4.0) and not m.should_load(1, 3.9)
+    assert m.load_on_demand(m.match([7])) is None                   # 4 s > 2.5 s
+    assert m.recompute_s(2, 5) == pytest.approx(5.0)
+
+
+def test_planner_drops_late_prefetch_when_recompute_is_cheaper():
+    p = PrefetchPlanner(lookahead=2, secs_per_page=1.0)
+    late_cheap = PrefetchCandidate("cheap", 1, pages=10, step_s=2.0, recompute_s=1.0)   # 8 s late
+    late_dear = PrefetchCandidate("dear", 1, pages=10, step_s=2.0, recompute_s=30.0)
+    on_time = PrefetchCandidate("ok", 2, pages=1, step_s=2.0, recompute_s=0.0)        # on time
+    plan = p.plan([late_cheap, late_dear, on_time])
+    assert [x.candidate.tag for x in plan] == ["ok", "dear"]
+    assert [x.candidate.tag for x in p.last_skipped] == ["cheap"]
+    plan = p.plan([late_cheap, on_time])
+    assert [x.candidate.tag for x in plan] == ["ok"]
+    # no estimate: loaded as before
+    plan = p.plan([PrefetchCandidate("x", 1, pages=10, step_s=2.0)])
+    assert len(plan) == 1 and not p.last_skipped
+
+
+def test_planner_budget_keeps_the_most_urgent_that_fit():
+    p = PrefetchPlanner(lookahead=3, secs_per_page=1.0)
+    c = [PrefetchCandidate("a", 1, pages=4, step_s=10.0),    # 0.4
+         PrefetchCandidate("b", 1, pages=3, step_s=10.0),    # 0.3
+         PrefetchCandidate("c", 2, pages=2, step_s=10.0)]    # 0.1
+    plan = p.plan(c, budget_pages=6)
+    assert [x.candidate.tag for x in plan] == ["a", "c"]
+    assert [x.candidate.tag for x in p.last_skipped] == ["b"]
+
+
+def test_manager_skips_a_late_prefetch_when_recompute_is_cheaper():
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0,
+                     recompute_s_per_token=0.1, default_step_s=1.0)
+    host_only(m, [10] * 6, "w", "A")               # 6 s of load, the agent runs in 1 s
+    m.update_hints("w", {"A": 1}, now=0.0)
+    assert m.metrics.prefetch_issued == 0 and m.metrics.prefetch_recompute_skips == 1
+    m2 = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0,
+                      default_step_s=1.0)           # no estimate: prefetched (late) as before
+    host_only(m2, [10] * 6, "w", "A")
+    m2.update_hints("w", {"A": 1}, now=0.0)
+    assert m2.metrics.prefetch_issued == 1
