@@ -102,7 +102,7 @@ import enum
 import heapq
 import itertools
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -242,6 +242,11 @@ class KVCacheManager:
         self._demoted: set = set()           # tags over their client's device cap
         self._history: dict[Tag, deque] = {}
         self._evict_floor: float | None = None
+        # (app, agent) -> that agent's fixed prefix, remembered across workflow instances: a
+        # new instance of an app (a new LangGraph thread, a new PEER question) can protect and
+        # prefetch an agent's prefix from its first hint, before the agent runs in it.
+        self._app_prefix: "OrderedDict[tuple[str, str], tuple]" = OrderedDict()
+        self.max_app_prefixes = 4096
 
     # ================================================================ reads
     @property
@@ -523,6 +528,8 @@ class KVCacheManager:
         self._refresh_tag(tag)
         if b == 0:
             return None
+        if app:
+            self._remember_app_prefix(app, agent, prefix)
         path, m = self.tree.match(prefix, split=True)
         if m < b:
             return None
@@ -571,6 +578,9 @@ class KVCacheManager:
         """Merge a hint (``{agent: steps | None}``); returns the tags whose prefetch started.
 
         ``agent`` is the agent sending the request: STE 0 unless the hint says otherwise.
+        With ``app``, an agent with a finite STE that has no tag in this workflow yet is tagged
+        at the fixed prefix the app's other workflows showed, so a new instance protects and
+        prefetches it before the agent first runs there.
         """
         now = self.backend.now() if now is None else now
         wf = workflow_key(workflow, app)
@@ -597,11 +607,31 @@ class KVCacheManager:
                         near.add(tag)
                     else:
                         near.discard(tag)
+        if app and self._app_prefix:
+            self._bind_app_prefixes(workflow, app, wf, changed)
         if self.client_cap_pages is not None and (changed or revived):
             self._apply_client_cap(self.hints.client_of(wf))
         if plan and self.policy.prefetch:
             return self._prefetch(now)
         return []
+
+    def _remember_app_prefix(self, app: str, agent: str, prefix: tuple) -> None:
+        key = (app, agent)
+        self._app_prefix[key] = prefix
+        self._app_prefix.move_to_end(key)
+        while len(self._app_prefix) > self.max_app_prefixes:
+            self._app_prefix.popitem(last=False)
+
+    def _bind_app_prefixes(self, workflow: str, app: str, wf: str, changed: dict) -> None:
+        """Tag, in this workflow, the agents with a finite STE whose fixed prefix the app has
+        shown before (in another workflow instance) but which have no tag here yet."""
+        records = self._records
+        for a, v in changed.items():
+            if v == INF or (wf, a) in records:
+                continue
+            prefix = self._app_prefix.get((app, a))
+            if prefix:
+                self.tag_fixed_prefix(prefix, len(prefix), workflow, a, app=app)
 
     def release_workflow(self, workflow: str, app: str | None = None) -> None:
         """The workflow ended: forget its hints and tags (its cache becomes ordinary LRU prey)."""
