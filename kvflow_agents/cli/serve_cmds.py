@@ -1,0 +1,86 @@
+"""``kvflow serve``: the bundled OpenAI-compatible server with the KVFlow cache (embedded engine)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+_POLICIES = ("lru", "hicache", "kvflow", "oracle")
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    @app.command("serve")
+    def serve(
+        model: str = typer.Option("smollm2-135m", help="Model preset: smollm2-135m (default), tiny-random."),
+        model_path: Optional[str] = typer.Option(None, help="Local HF Llama dir or .gguf file (overrides --model)."),
+        engine: str = typer.Option("embedded", help="Serving engine: embedded (this package's CPU/GPU engine)."),
+        device: str = typer.Option("cpu", help="cpu or cuda."),
+        host: str = typer.Option("127.0.0.1", help="Bind address."),
+        port: int = typer.Option(30000, help="Port."),
+        policy: str = typer.Option("kvflow", help="Cache policy: lru | hicache | kvflow | oracle."),
+        device_tokens: int = typer.Option(8192, min=16, help="Device KV pool budget, in tokens."),
+        host_tokens: int = typer.Option(65536, min=0, help="Host KV pool, in tokens (hicache/kvflow)."),
+        page_size: int = typer.Option(16, min=1, help="Tokens per KV page."),
+        host_link_gbps: Optional[float] = typer.Option(
+            None, help="EMULATION KNOB for machines without a GPU: pretend host->device KV loads run "
+                       "over a link of X GB/s (pages become usable at start + bytes/X; no CPU is "
+                       "spent). Use it to demonstrate prefetch/overlap on CPU. Default: real copy speed."),
+        lookahead: int = typer.Option(1, min=0, help="Prefetch agents whose steps-to-execution <= this."),
+        max_batch: int = typer.Option(16, min=1, help="Max concurrently running requests."),
+        max_prefill_tokens: int = typer.Option(1024, min=1, help="Prompt tokens prefilled per scheduler step (chunked prefill)."),
+        max_tokens_default: int = typer.Option(256, "--default-max-tokens", min=1,
+                                               help="max_tokens when a request gives none."),
+        api_key: Optional[str] = typer.Option(None, envvar="KVFLOW_API_KEY",
+                                              help="Require this key (Authorization: Bearer) on every endpoint."),
+        lease_s: float = typer.Option(60.0, help="Seconds a quiet workflow's hints stay in force."),
+        log_level: str = typer.Option("info", help="debug | info | warning | error."),
+    ) -> None:
+        """Serve an OpenAI-compatible API with workflow-aware KV caching (KVFlow).
+
+        Apps send hints v1 in custom_params; see /kvflow/v1/cache for what is cached where.
+        --host-link-gbps is only an emulation knob, for demonstrating prefetch on machines
+        without a GPU (on CPU a real host->device copy is too fast to show it).
+        """
+        if engine == "sglang":
+            raise typer.BadParameter("the sglang engine is not available in `kvflow serve` yet; "
+                                     "use --engine embedded", param_hint="--engine")
+        if engine != "embedded":
+            raise typer.BadParameter(f"unknown engine {engine!r}; choose embedded", param_hint="--engine")
+        if policy not in _POLICIES:
+            raise typer.BadParameter(f"choose one of {', '.join(_POLICIES)}", param_hint="--policy")
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise typer.BadParameter("cpu or cuda", param_hint="--device")
+        if host_link_gbps is not None and host_link_gbps <= 0:
+            raise typer.BadParameter("must be > 0", param_hint="--host-link-gbps")
+
+        import logging
+        import time
+
+        import uvicorn
+
+        from kvflow_agents.serving.embedded.engine import Engine, EngineConfig
+        from kvflow_agents.serving.embedded.server import create_app
+
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        cfg = EngineConfig(model=model, model_path=model_path, device=device, policy=policy,
+                           device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
+                           host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
+                           lease_s=lease_s, default_max_tokens=max_tokens_default,
+                           max_prefill_tokens=max_prefill_tokens)
+        t0 = time.perf_counter()
+        eng = Engine(cfg)
+        url = f"http://{host}:{port}/v1"
+        link = (f"{host_link_gbps} GB/s (EMULATED host link)" if host_link_gbps else "real copy speed")
+        typer.echo(f"kvflow serve: model={eng.model_name} engine=embedded device={device} "
+                   f"policy={policy} loaded in {time.perf_counter() - t0:.1f}s")
+        typer.echo(f"  KV pools: device {device_tokens} tokens, host "
+                   f"{host_tokens if eng.policy.host_tier else 0} tokens, page {page_size}; "
+                   f"host link: {link}; lookahead {lookahead}; max batch {max_batch}")
+        typer.echo(f"  OpenAI base URL: {url}   (KVFlow: {url[:-3]}/kvflow/v1/cache, /metrics)"
+                   + ("   [API key required]" if api_key else ""))
+        try:
+            uvicorn.run(create_app(eng, api_key=api_key), host=host, port=port,
+                        log_level=log_level.lower(), timeout_graceful_shutdown=5)
+        finally:
+            eng.shutdown()

@@ -1,0 +1,78 @@
+"""What ``GET /kvflow/v1/cache`` shows: per workflow and agent, where its fixed prefix lives.
+
+Built on the engine thread from ``KVCacheManager.snapshot()`` (after a ``tick`` so finished
+loads read as ``device``). Sizes are in tokens, not pages, for a person debugging an app:
+
+    {"policy": "kvflow", "page_size": 16,
+     "pools": {"device": {"capacity_tokens", "used_tokens", "tree_tokens", "free_tokens"},
+               "host": {...}},
+     "workflows": [{"workflow": "thread-7", "expired": false, "step": 3,
+                    "agents": [{"agent": "planner", "residency": "device|loading|host|none",
+                                "ste": 1, "priority": 1, "tokens": 480}]}],
+     "queue": {"waiting", "loading", "running"}, "loads_in_flight": 0,
+     "link": {"emulated_gbps": 0.5 | null}, "metrics": {...}}
+
+``ste``/``priority`` ``null`` mean infinity (never again / not protected).
+"""
+
+from __future__ import annotations
+
+
+def cache_report(engine) -> dict:
+    mgr = engine.manager
+    mgr.tick(engine.pool.now())
+    snap = mgr.snapshot()
+    ps = snap["page_size"]
+
+    def tokens(pool: dict) -> dict:
+        return {"capacity_tokens": pool["capacity"] * ps, "used_tokens": pool["used"] * ps,
+                "free_tokens": pool["free"] * ps, "tree_tokens": pool["tree"] * ps,
+                **({"evictable_tokens": pool["evictable"] * ps} if "evictable" in pool else {})}
+
+    def num(x):
+        return int(x) if isinstance(x, float) and x.is_integer() else x
+
+    workflows: dict[str, dict] = {}
+    for wf, info in snap["workflows"].items():
+        workflows[wf] = {"workflow": wf, **info, "agents": []}
+    for a in snap["agents"]:
+        wf = workflows.setdefault(a["workflow"], {"workflow": a["workflow"], "agents": []})
+        wf["agents"].append({"agent": a["agent"], "residency": a["residency"], "ste": num(a["ste"]),
+                             "priority": num(a["priority"]), "tokens": a["tokens"],
+                             "demoted": a["demoted"]})
+    return {
+        "policy": snap["policy"], "page_size": ps, "model": engine.model_name,
+        "pools": {"device": tokens(snap["pools"]["device"]), "host": tokens(snap["pools"]["host"])},
+        "workflows": list(workflows.values()),
+        "queue": engine.scheduler.counts(),
+        "loads_in_flight": snap["loads_in_flight"],
+        "link": {"emulated_gbps": engine.config.host_link_gbps},
+        "metrics": snap["metrics"],
+    }
+
+
+def residency_of(report: dict, workflow: str, agent: str) -> str:
+    """Convenience for tests and tools: one agent's residency in a report ("none" if absent)."""
+    for wf in report["workflows"]:
+        if wf["workflow"] == workflow:
+            for a in wf["agents"]:
+                if a["agent"] == agent:
+                    return a["residency"]
+    return "none"
+
+
+def render_text(report: dict) -> str:
+    """A plain-text table of a report, for ``curl .../kvflow/v1/cache?format=text``."""
+    def inf(x):
+        return "inf" if x is None else str(x)
+    dev, host = report["pools"]["device"], report["pools"]["host"]
+    lines = [f"policy {report['policy']}  page {report['page_size']}  "
+             f"device {dev['used_tokens']}/{dev['capacity_tokens']} tokens  "
+             f"host {host['used_tokens']}/{host['capacity_tokens']} tokens  "
+             f"loads in flight {report['loads_in_flight']}  queue {report['queue']}",
+             f"{'workflow':<24} {'agent':<20} {'residency':<9} {'ste':>5} {'prio':>5} {'tokens':>7}"]
+    for wf in report["workflows"]:
+        for a in wf["agents"]:
+            lines.append(f"{wf['workflow'][:24]:<24} {a['agent'][:20]:<20} {a['residency']:<9} "
+                         f"{inf(a['ste']):>5} {inf(a['priority']):>5} {a['tokens']:>7}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,640 @@
+"""``Engine``: the embedded KVFlow engine as an in-process Python object (like SGLang's ``Engine``
+or vLLM's ``LLM``). The HTTP server (``server.py``) wraps it; benchmarks drive it directly.
+
+    from kvflow_agents.serving.embedded.engine import Engine
+    with Engine(model="tiny-random", policy="kvflow", device_tokens=4096) as eng:
+        out = eng.chat([{"role": "user", "content": "hi"}], max_tokens=8)
+        print(out.text, out.cached_tokens)
+
+Public API (thread-safe): ``Engine(config=None, *, loaded=None, **EngineConfig fields)``;
+``chat(messages, hints=None, **sampling) -> Completion`` and ``generate(prompt | ids, ...)``
+(blocking); ``make_request(...)`` + ``async for ev in stream(req)`` (streaming, asyncio);
+``submit(req)`` / ``abort(rid)`` (sink-based); ``update_hints(Hints)`` (out-of-band, incl.
+``event="end"``); ``cache_report()`` (what ``/kvflow/v1/cache`` shows); ``stats()`` (non-blocking
+snapshot for metrics); ``call(fn)`` (run ``fn(engine)`` on the engine thread); ``shutdown()``.
+Sampling keywords: ``max_tokens, temperature, top_p, stop, seed, ignore_eos``.
+
+It owns the model, the tokenizer, the paged KV pools (:class:`~.kv_pool.PagedKVPool`, which is
+the policy core's ``KVTransferBackend``) and a :class:`~kvflow_agents.serving.policy.KVCacheManager`.
+
+Threading invariants:
+- exactly one engine thread does all torch work and is the only caller of the cache manager
+  (on 2 CPU cores a second compute/copy thread only slows decode down);
+- other threads talk to it through a command queue: :meth:`submit`, :meth:`abort`,
+  :meth:`update_hints`, :meth:`call`; results come back through a per-request sink called on
+  the engine thread (asyncio users get them via ``loop.call_soon_threadsafe``);
+- :meth:`stats` reads a snapshot the engine thread publishes, so /metrics never blocks a step.
+
+One scheduler step: ``manager.tick()`` (finish due loads, start prefetches from the planner's
+plan) → prepare new arrivals (match + lock, start on-demand loads of host-only prefixes) →
+admit ready requests (status-aware: loading ones are skipped, see ``scheduler.py``; pages for
+prompt + max_tokens are reserved at admission) → chunked prefill (``max_prefill_tokens`` per
+step, reusing each request's cached device prefix) → one batched decode over all running
+requests whose prefill is done.
+
+With ``host_link_gbps`` the pool *emulates* a GPU's host link: a load's bytes are copied at once
+but its pages only become usable at ``start + bytes / (X GB/s)``; this costs no CPU and exists
+to demonstrate prefetch/overlap on machines without a GPU.
+
+Cache protocol per request (the policy core's): ``match`` (hit counters) + ``lock`` on arrival,
+``load_on_demand`` for a host-only part unless recomputing it is cheaper (``recompute_aware``:
+the measured prefill speed vs the manager's link estimate, queueing included), ``peek`` +
+``status(record=True)`` while it waits, ``match`` again + ``allocate`` on admission, ``insert``
+after prefill and at the end, ``tag_fixed_prefix`` / ``infer_fixed_prefix``, ``unlock``. Pages
+still needed by queued requests are the prefetch budget's reserve (``set_reserved_pages``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import queue
+import random
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+from .engine_config import EngineConfig, EngineInputError, params_from_kwargs, sample_token
+from .scheduler import (Completion, Request, RequestState, SamplingParams, Scheduler,
+                        StreamEvent)
+
+__all__ = ["Engine", "EngineConfig", "EngineInputError", "Completion", "StreamEvent", "SamplingParams"]
+
+log = logging.getLogger("kvflow.engine")
+
+
+class Engine:
+    """See the module docstring. Thread-safe public methods; ``generate``/``chat`` block."""
+
+    def __init__(self, config: Optional[EngineConfig] = None, *, start: bool = True,
+                 loaded: Optional[tuple] = None, **overrides) -> None:
+        """``loaded`` = ``(model, tokenizer, model_config)`` from ``load_model`` to share weights
+        between engines (tests, side-by-side benchmarks); else the model is loaded here."""
+        import torch
+
+        from kvflow_agents.serving.policy import KVCacheManager, get_policy
+
+        from .kv_pool import PagedKVPool
+        from .model import load_model
+
+        cfg = dataclasses.replace(config or EngineConfig(), **overrides)
+        cfg.validate()
+        self.config = cfg
+        t0 = time.perf_counter()
+        self.model, self.tokenizer, self.model_config = loaded or load_model(
+            cfg.model_path or cfg.model, cfg.device, cfg.dtype)
+        self.load_s = time.perf_counter() - t0
+        self.model_name = cfg.served_model_name or self.model_config.name
+        self.policy = get_policy(cfg.policy)
+        ps = cfg.page_size
+        dev_pages = cfg.device_tokens // ps
+        host_pages = cfg.host_tokens // ps if self.policy.host_tier else 0
+        self.pool = PagedKVPool(self.model_config, device_pages=dev_pages, host_pages=host_pages,
+                                page_size=ps, device=cfg.device, host_link_gbps=cfg.host_link_gbps)
+        self.manager = KVCacheManager(
+            self.policy, page_size=ps, device_pages=dev_pages, host_pages=host_pages,
+            backend=self.pool, lookahead=cfg.lookahead, max_inflight_loads=cfg.max_inflight_loads,
+            lease_s=cfg.lease_s, bytes_per_page=self.pool.bytes_per_page,
+            link_bytes_per_s=cfg.host_link_gbps * 1e9 if cfg.host_link_gbps else None)
+        status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware
+        self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
+                                   max_skip_s=cfg.max_skip_s)
+        self.page_size = ps
+        self.manager.set_reserved_pages(self._reserved_pages)  # prefetch never takes this room
+        self._spt: Optional[float] = None  # measured prefill seconds per token (EMA)
+        self._cuda = torch.device(cfg.device).type == "cuda"
+        self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._requests: dict[str, Request] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0,
+                         "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0,
+                         "hints_rejected": 0, "hints_accepted": 0, "steps": 0, "decode_steps": 0}
+        self._snapshot: dict = {}
+        self._published = 0.0
+        self._thread: Optional[threading.Thread] = None
+        self._publish(force=True)
+        if start:
+            self.start()
+
+    # ================================================================ lifecycle
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(lambda: None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def capacity_tokens(self) -> Optional[int]:
+        """Device tokens a single request may use (None: unbounded, the oracle)."""
+        return None if not self.policy.evicts else self.manager.device.capacity * self.page_size
+
+    # ================================================================ building requests
+    def make_request(self, *, messages: Optional[Sequence[dict]] = None, prompt: Optional[str] = None,
+                     prompt_ids: Optional[Sequence[int]] = None, params: Optional[SamplingParams] = None,
+                     max_tokens: Optional[int] = None, hints: Any = None,
+                     sink: Optional[Callable[[StreamEvent], None]] = None) -> Request:
+        """Tokenize and validate (any thread). Raises :class:`EngineInputError`."""
+        params = params or SamplingParams()
+        if isinstance(hints, dict):  # the wire form (custom_params) is accepted too
+            from kvflow_agents.protocol import Hints
+            hints = Hints.from_custom_params(hints)
+        fixed_len = None
+        if messages is not None:
+            try:
+                ids = self.tokenizer.encode_chat(list(messages))
+            except Exception as e:  # a template that rejects the conversation
+                raise EngineInputError(f"messages: cannot apply the chat template: {e}", "messages") from None
+            if hints is not None and getattr(hints, "fixed_messages", None) is not None:
+                fixed_len = self.tokenizer.fixed_prefix_tokens(list(messages), hints.fixed_messages, ids)
+        elif prompt is not None:
+            ids = self.tokenizer.encode(prompt)
+        elif prompt_ids is not None:
+            ids = [int(t) for t in prompt_ids]
+            if any(t < 0 or t >= self.model_config.vocab_size for t in ids):
+                raise EngineInputError("prompt: token id out of range", "prompt")
+        else:
+            raise EngineInputError("no prompt given", "prompt")
+        if not ids:
+            raise EngineInputError("prompt: empty after tokenization", "prompt")
+        n = len(ids)
+        cap = self.capacity_tokens
+        limit = min(cap if cap is not None else math.inf, self.model_config.max_position)
+        if n >= limit:
+            raise EngineInputError(f"prompt is {n} tokens; this server holds at most {int(limit) - 1} "
+                                   f"prompt tokens (device pool {cap} tokens, --device-tokens)", "messages",
+                                   "context_length_exceeded")
+        mt = max_tokens if max_tokens is not None else params.max_tokens
+        if mt is None:
+            mt = int(min(self.config.default_max_tokens, limit - n))
+        params = dataclasses.replace(params, max_tokens=mt)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise EngineInputError(str(e), str(e).split(":")[0]) from None
+        if n + mt > limit:
+            raise EngineInputError(f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the capacity of "
+                                   f"{int(limit)} tokens; lower max_tokens or raise --device-tokens",
+                                   "max_tokens", "context_length_exceeded")
+        return Request(ids, params, sink or (lambda ev: None), hints=hints, fixed_len=fixed_len)
+
+    # ================================================================ thread-safe API
+    def submit(self, req: Request) -> str:
+        with self._lock:
+            self.counters["requests"] += 1
+        self._inbox.put(lambda: self._add(req))
+        return req.rid
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(lambda: self._abort(rid))
+
+    def update_hints(self, hints: Any) -> None:
+        """Out-of-band hints (``kvflow_event`` "transition" or "end"), applied between steps."""
+        self._inbox.put(lambda: self._apply_hints(hints, out_of_band=True))
+
+    def note_hints(self, accepted: bool) -> None:
+        with self._lock:
+            self.counters["hints_accepted" if accepted else "hints_rejected"] += 1
+
+    def call(self, fn: Callable[["Engine"], Any], timeout: Optional[float] = 30.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        return self._call_future(fn).result(timeout)
+
+    async def acall(self, fn: Callable[["Engine"], Any]) -> Any:
+        return await asyncio.wrap_future(self._call_future(fn))
+
+    def _call_future(self, fn) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+        self._inbox.put(run)
+        return fut
+
+    def generate(self, prompt: "str | Sequence[int]", *, hints: Any = None, timeout: Optional[float] = None,
+                 **sampling) -> Completion:
+        """Blocking completion of a raw prompt (text or token ids)."""
+        kw = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
+        return self._blocking(kw, hints, timeout, sampling)
+
+    def chat(self, messages: Sequence[dict], *, hints: Any = None, timeout: Optional[float] = None,
+             **sampling) -> Completion:
+        """Blocking chat completion (the model's chat template is applied)."""
+        return self._blocking({"messages": messages}, hints, timeout, sampling)
+
+    def _blocking(self, kw: dict, hints, timeout, sampling: dict) -> Completion:
+        done = threading.Event()
+        box: list[Completion] = []
+
+        def sink(ev: StreamEvent) -> None:
+            if ev.done is not None:
+                box.append(ev.done)
+                done.set()
+        req = self.make_request(**kw, params=params_from_kwargs(sampling), hints=hints, sink=sink)
+        self.submit(req)
+        if not done.wait(timeout):
+            self.abort(req.rid)
+            raise TimeoutError(f"request {req.rid} did not finish in {timeout} s")
+        return box[0]
+
+    async def stream(self, req: Request) -> AsyncIterator[StreamEvent]:
+        """Submit ``req`` (built by :meth:`make_request`; its sink is replaced) and yield its
+        events. Leaving the iteration early (client gone) aborts the request and frees its pages."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        req.sink = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+        self.submit(req)
+        finished = False
+        try:
+            while True:
+                ev = await q.get()
+                if ev.done is not None:
+                    finished = True
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(req.rid)
+
+    def stats(self) -> dict:
+        """The latest published snapshot (counters, cache metrics, queue, pools). Non-blocking."""
+        return self._snapshot
+
+    def cache_report(self, timeout: Optional[float] = 30.0) -> dict:
+        from .cache_view import cache_report
+        return self.call(cache_report, timeout)
+
+    # ================================================================ engine thread
+    def _run(self) -> None:
+        import torch
+
+        progress = True
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                self._drain(0.0 if progress else self._idle_timeout())
+                if self._stop.is_set():
+                    break
+                try:
+                    progress = self._step()
+                except Exception:  # keep serving: fail what was running, log the cause
+                    log.exception("engine step failed")
+                    for r in list(self.scheduler.running):
+                        self._finish(r, "error", error="internal engine error")
+                    progress = False
+                self._publish(force=not progress)
+        for r in list(self._requests.values()):
+            self._finish(r, "abort", error="engine shut down")
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            cmd = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                cmd()
+            except Exception:
+                log.exception("engine command failed")
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _idle_timeout(self) -> float:
+        """How long to sleep when nothing could run: until the next load lands (or 0.5 s)."""
+        nxt = self.manager.next_load_at
+        nxt = nxt() if callable(nxt) else nxt
+        t = 0.5
+        if nxt is not None:
+            t = min(t, nxt - self.pool.now())
+        for r in self.scheduler.waiting:
+            if r.ready_at is not None and r.state is RequestState.LOADING:
+                t = min(t, r.ready_at - self.pool.now())
+        return max(t, 0.0005)
+
+    def _step(self) -> bool:
+        sched, mgr = self.scheduler, self.manager
+        self.counters["steps"] += 1
+        rep = mgr.tick(self.pool.now())
+        progress = bool(rep.loads_finished or rep.prefetches_started)
+        for i, req in enumerate(list(sched.waiting)):  # bounded: prepared requests pin memory
+            if i >= sched.max_batch:
+                break
+            if not req.prepared:
+                self._prepare(req)
+                progress = True
+        for req in sched.admission_plan(self._is_ready):
+            if not self._admit(req):
+                break
+            progress = True
+        progress |= self._prefill()
+        if any(r.output_ids for r in sched.running):
+            self._decode()
+            progress = True
+        return progress
+
+    # -- per request ------------------------------------------------------------------------
+    def _add(self, req: Request) -> None:
+        self._requests[req.rid] = req
+        self.scheduler.add(req)  # first, so the prefetch budget reserves its pages
+        if req.hints is not None:
+            self._apply_hints(req.hints, out_of_band=False)
+
+    def _apply_hints(self, h: Any, *, out_of_band: bool) -> None:
+        if out_of_band and getattr(h, "event", None) == "end":
+            self.manager.release_workflow(h.workflow, app=h.app)
+            return
+        self.manager.update_hints(h.workflow, dict(h.ste), agent=None if out_of_band else h.agent,
+                                  step=h.step, app=h.app)
+
+    def _prepare(self, req: Request) -> None:
+        """First look at the cache: record the hit, pin the matched path, start a host load."""
+        mgr = self.manager
+        m = mgr.match(req.prompt_ids, record=True)
+        req.lock_node = mgr.lock(m)
+        req.device_hit, req.host_hit = m.device_len, m.host_len
+        req.prepared = True
+        if not (m.needs_load or m.loading):
+            return
+        req.load_started = self.pool.now()
+        outcome = self._load_or_recompute(req, m) if m.needs_load else "loading"
+        if m.loading or outcome != "recompute":
+            req.state = RequestState.LOADING
+
+    def _load_or_recompute(self, req: Request, m) -> str:
+        """Start loading the host-only part of ``m`` ("loading"), or decline because recomputing
+        it is cheaper than waiting for the link ("recompute"), or "no_room" (retry later)."""
+        mgr = self.manager
+        rs = None
+        if self.config.recompute_aware and self._spt is not None:
+            rs = m.host_len * self._spt
+        ready = mgr.load_on_demand(m, recompute_s=rs)
+        if ready is not None:
+            req.ready_at = ready
+            return "loading"
+        host_pages = sum(len(n.host_pages) for n in m.node.path()
+                         if n.device_pages is None and n.host_pages is not None)
+        if rs is not None and host_pages and not mgr.should_load(host_pages, rs):
+            req.recompute_host = True
+            return "recompute"
+        return "no_room"
+
+    def _is_ready(self, req: Request) -> bool:
+        """Status-aware readiness of a prepared request: its cached prefix is readable, or the
+        rest will be recomputed. A request kept waiting by a load records it (hidden/exposed)."""
+        if not req.prepared:
+            return False
+        if req.state is not RequestState.LOADING:
+            return True
+        mgr = self.manager
+        p = mgr.peek(req.prompt_ids)
+        if p.loading:
+            mgr.status(req.prompt_ids, record=True)
+            return False
+        if p.needs_load and not req.recompute_host:
+            m = mgr.match(req.prompt_ids, record=False)
+            self._relock(req, m.node)
+            if self._load_or_recompute(req, m) != "recompute":
+                return False
+        req.state = RequestState.WAITING
+        req.load_wait_s += self.pool.now() - (req.load_started or self.pool.now())
+        return True
+
+    def _reserved_pages(self) -> int:
+        """Device pages queued requests will still allocate (the prefetch budget's reserve)."""
+        ps, total = self.page_size, 0
+        for r in list(self.scheduler.waiting)[: 2 * self.scheduler.max_batch]:
+            need = -(-(len(r.prompt_ids) + (r.params.max_tokens or 1) - 1) // ps)
+            have = r.device_hit if r.prepared else self.manager.peek(r.prompt_ids).device_len
+            total += max(0, need - have // ps)
+        return total
+
+    def _relock(self, req: Request, node) -> None:
+        mgr = self.manager
+        new = mgr.lock(node)
+        if req.lock_node is not None:
+            mgr.unlock(req.lock_node)
+        req.lock_node = new
+
+    def _admit(self, req: Request) -> bool:
+        mgr, ps = self.manager, self.page_size
+        m = mgr.match(req.prompt_ids, record=False)
+        self._relock(req, m.node)
+        n = len(req.prompt_ids)
+        reuse = min(m.device_len, (n - 1) // ps * ps)  # prefill needs >= 1 new token
+        prefix = list(m.device_pages[:reuse // ps])
+        total = max(1, -(-(n + req.params.max_tokens - 1) // ps))
+        new = mgr.allocate(total - len(prefix))
+        if new is None and not self.scheduler.running and not mgr.loads_in_flight:
+            self._release_waiting_locks(req)
+            new = mgr.allocate(total - len(prefix))
+            if new is None:
+                self._finish(req, "error", error="not enough device KV memory for this request")
+                return True
+        if new is None:
+            return False  # wait for running requests to free memory (no overtaking)
+        self._ensure_device_capacity()
+        req.pages, req.own_from, req.reused = prefix + new, len(prefix), reuse
+        req.host_hit = min(req.host_hit, max(0, reuse - req.device_hit))
+        req.device_hit = reuse - req.host_hit
+        req.prefill_at = time.monotonic()
+        self.scheduler.admitted(req)
+        import torch
+        req.generator = torch.Generator(device="cpu")
+        req.generator.manual_seed(req.params.seed if req.params.seed is not None else random.getrandbits(63))
+        stop_ids = () if req.params.ignore_eos else None
+        req.detok = self.tokenizer.stream(stop=req.params.stop, stop_token_ids=stop_ids)
+        req.prefilled = reuse
+        return True
+
+    def _prefill(self) -> bool:
+        """Chunked prefill: at most ``max_prefill_tokens`` prompt tokens per step, oldest
+        admitted first, so a long prompt does not stall the running decodes for seconds."""
+        budget, did = self.config.max_prefill_tokens, False
+        for req in list(self.scheduler.running):
+            n = len(req.prompt_ids)
+            if req.prefilled >= n:
+                continue
+            if budget <= 0:
+                break
+            k = min(n - req.prefilled, budget)
+            budget -= k
+            did = True
+            try:
+                if self._cuda:
+                    self.pool.wait_loads(req.pages)
+                t0 = time.perf_counter()
+                logits = self.model.prefill(self.pool.device_kv, req.prompt_ids[req.prefilled:req.prefilled + k],
+                                            req.pages, req.prefilled)
+                spt = (time.perf_counter() - t0) / k
+                self._spt = spt if self._spt is None else 0.8 * self._spt + 0.2 * spt
+            except Exception as e:
+                log.exception("prefill failed for %s", req.rid)
+                self._finish(req, "error", error=f"prefill failed: {e}")
+                continue
+            req.prefilled += k
+            if req.prefilled == n:
+                self._cache(req, n)
+                self._tag(req)
+                self._emit(req, sample_token(logits, req.params, req.generator))
+        return did
+
+    def _release_waiting_locks(self, keep: Request) -> None:
+        """Deadlock breaker: nothing runs and memory is short; un-prepare the other waiters."""
+        for r in self.scheduler.waiting:
+            if r is not keep and r.prepared and r.lock_node is not None:
+                self.manager.unlock(r.lock_node)
+                r.lock_node, r.prepared, r.state = None, False, RequestState.WAITING
+
+    def _ensure_device_capacity(self) -> None:
+        """The oracle's page allocator grows; grow the device tensor to match."""
+        import torch
+
+        need, have = self.manager.device.capacity, self.pool.num_device_pages
+        if need <= have:
+            return
+        kv = self.pool.device_kv
+        extra = max(need, 2 * have) - have
+        shape = kv.shape[:2] + (extra,) + kv.shape[3:]
+        self.pool.device_kv = torch.cat([kv, torch.zeros(shape, dtype=kv.dtype, device=kv.device)], 2)
+
+    def _cache(self, req: Request, n_tokens: int) -> None:
+        """Insert the first ``n_tokens`` (page-aligned down) of the request's sequence into the
+        tree; the tree owns those pages afterwards (duplicates of cached runs are freed by it, so
+        the request switches to the tree's copies) and the request's lock moves to the new node."""
+        ps = self.page_size
+        k = n_tokens // ps
+        if k <= req.own_from or k == 0:
+            return
+        seq = req.prompt_ids + req.output_ids
+        node = self.manager.insert(seq[:k * ps], req.pages[:k])
+        self._relock(req, node)
+        tree_pages = [p for nd in node.path() for p in nd.device_pages]
+        req.pages[:k] = tree_pages[:k]
+        req.own_from = k
+
+    def _tag(self, req: Request) -> None:
+        h = req.hints
+        if h is None:
+            return
+        if req.fixed_len is not None:
+            self.manager.tag_fixed_prefix(req.prompt_ids, req.fixed_len, h.workflow, h.agent, app=h.app)
+        else:
+            self.manager.infer_fixed_prefix(h.workflow, h.agent, req.prompt_ids, app=h.app)
+
+    def _decode(self) -> None:
+        running = [r for r in self.scheduler.running if r.output_ids]  # prefill done
+        n0 = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in running]
+        seqs = [(r.output_ids[-1], r.pages, pos) for r, pos in zip(running, n0)]
+        if self._cuda:
+            self.pool.wait_loads()
+        logits = self.model.decode_batch(self.pool.device_kv, seqs)
+        self.counters["decode_steps"] += 1
+        for i, r in enumerate(running):
+            self._emit(r, sample_token(logits[i], r.params, r.generator))
+
+    def _emit(self, req: Request, tok: int) -> None:
+        req.output_ids.append(tok)
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        text = req.detok.push(tok)
+        reason = None
+        if req.detok.finished:
+            reason = "stop"
+        elif len(req.output_ids) >= req.params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            text += req.detok.finish()
+        if text or reason is None:
+            self._send(req, StreamEvent(req.rid, text, (tok,)))
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _send(self, req: Request, ev: StreamEvent) -> None:
+        try:
+            req.sink(ev)
+        except Exception:  # e.g. the client's event loop is gone
+            log.debug("sink of %s failed", req.rid, exc_info=True)
+
+    def _abort(self, rid: str) -> None:
+        req = self._requests.get(rid)
+        if req is not None:
+            self._finish(req, "abort")
+
+    def _finish(self, req: Request, reason: str, error: Optional[str] = None) -> None:
+        if req.state is RequestState.FINISHED:
+            return
+        was_running = req.state is RequestState.RUNNING
+        self.scheduler.remove(req.rid)
+        self._requests.pop(req.rid, None)
+        mgr = self.manager
+        if was_running and req.pages:
+            written = req.prefilled + max(0, len(req.output_ids) - 1)  # tokens with KV
+            if reason != "error":
+                self._cache(req, written)
+            own = req.pages[req.own_from:]
+            if own:
+                mgr.free(own)
+            req.pages = []
+        if req.lock_node is not None:
+            mgr.unlock(req.lock_node)
+            req.lock_node = None
+        req.state = RequestState.FINISHED
+        now = time.monotonic()
+        text = req.detok.text if req.detok is not None else ""
+        comp = Completion(
+            id=req.rid, text=text, token_ids=list(req.output_ids), finish_reason=reason,
+            prompt_tokens=len(req.prompt_ids), cached_tokens=req.reused,
+            device_hit_tokens=req.device_hit if was_running else 0,
+            host_hit_tokens=req.host_hit if was_running else 0,
+            computed_tokens=len(req.prompt_ids) - req.reused if was_running else 0,
+            queue_s=(req.prefill_at or now) - req.arrival, load_wait_s=req.load_wait_s,
+            ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival, error=error)
+        c = self.counters
+        c["finished"] += 1
+        c["aborted"] += reason == "abort"
+        c["errors"] += reason == "error"
+        c["prompt_tokens"] += comp.prompt_tokens
+        c["generation_tokens"] += comp.completion_tokens
+        c["cached_tokens"] += comp.cached_tokens
+        self._send(req, StreamEvent(req.rid, "", (), done=comp))
+
+    # -- stats ------------------------------------------------------------------------------
+    def _publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._published < 0.05:
+            return
+        self._published = now
+        mgr = self.manager
+        with self._lock:
+            counters = dict(self.counters)
+        self._snapshot = {
+            "model": self.model_name, "policy": self.policy.name, "page_size": self.page_size,
+            "counters": counters, "queue": self.scheduler.counts(),
+            "device_pages": {"capacity": mgr.device.capacity, "used": mgr.device.num_used},
+            "host_pages": {"capacity": mgr.host.capacity, "used": mgr.host.num_used},
+            "loads_in_flight": mgr.loads_in_flight, "cache": mgr.metrics.as_dict(),
+        }

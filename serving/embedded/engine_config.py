@@ -1,0 +1,81 @@
+"""``EngineConfig`` (every knob of the embedded engine), input errors, and token sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from .scheduler import SamplingParams
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot serve as given (HTTP 400). ``param`` names the field."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    model_path: Optional[str] = None      # local HF dir or .gguf; overrides ``model``
+    device: str = "cpu"
+    dtype: Optional[str] = None           # override weights/KV dtype ("float32", ...)
+    policy: str = "kvflow"                # lru | hicache | kvflow | oracle
+    device_tokens: int = 8192             # "device" KV pool budget (tokens)
+    host_tokens: int = 65536              # host KV pool (hicache/kvflow)
+    page_size: int = 16
+    host_link_gbps: Optional[float] = None  # emulated host link (GB/s); None = real copy speed
+    lookahead: int = 1                    # prefetch agents with STE <= lookahead
+    max_batch: int = 16
+    max_inflight_loads: int = 4
+    lease_s: float = 60.0
+    max_prefill_tokens: int = 1024        # prompt tokens prefilled per scheduler step (chunked)
+    default_max_tokens: int = 256
+    recompute_aware: bool = True          # decline a host load that would take longer than
+                                          # recomputing (measured prefill speed; manager.should_load)
+    max_skip_s: float = 5.0               # a request skipped this long blocks younger ones
+    status_aware: Optional[bool] = None   # None = the policy's default (kvflow: on)
+    served_model_name: Optional[str] = None
+
+    def validate(self) -> None:
+        if self.page_size < 1 or self.device_tokens < self.page_size:
+            raise ValueError("device_tokens must be >= page_size >= 1")
+        if self.host_tokens < 0:
+            raise ValueError("host_tokens must be >= 0")
+        if self.host_link_gbps is not None and not self.host_link_gbps > 0:
+            raise ValueError("host_link_gbps must be > 0")
+        if self.max_batch < 1 or self.max_inflight_loads < 1:
+            raise ValueError("max_batch and max_inflight_loads must be >= 1")
+
+
+def sample_token(logits, params: SamplingParams, generator) -> int:
+    """Greedy when ``temperature == 0``; else temperature + nucleus (top-p) sampling."""
+    import torch
+
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().cpu() / params.temperature, -1)  # CPU generator
+    if params.top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sp, -1) - sp < params.top_p
+        sp = sp * keep
+        return int(si[torch.multinomial(sp / sp.sum(), 1, generator=generator)])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+_SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def params_from_kwargs(sampling: dict) -> SamplingParams:
+    """``SamplingParams`` from keyword arguments (``stop`` may be a string)."""
+    bad = set(sampling) - _SAMPLING_KEYS
+    if bad:
+        raise TypeError(f"unknown sampling parameters: {sorted(bad)}")
+    if "stop" in sampling:
+        s = sampling["stop"]
+        sampling = {**sampling, "stop": (s,) if isinstance(s, str) else tuple(s or ())}
+    return SamplingParams(**sampling)

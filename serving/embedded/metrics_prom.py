@@ -1,0 +1,96 @@
+"""Prometheus exposition for ``GET /metrics``: a collector over the engine's published snapshot.
+
+Each app gets its own ``CollectorRegistry`` (several servers can live in one test process). The
+collector only reads ``engine.stats()``, which the engine thread publishes between steps, so a
+scrape never waits for a model step. Names (all prefixed ``kvflow_``):
+
+- ``prompt_tokens_by_tier_total{tier=device|host|loading|miss}``: where each prompt token's KV
+  was found when its request was first matched (miss = recomputed);
+- ``evictions_total{tier,reason}``, ``evicted_pages_total{tier,reason}``, ``backup_pages_total``,
+  ``dropped_pages_total``;
+- ``prefetch_total{outcome=issued|used|wasted|stale|deferred}``, ``demand_loads_total``;
+- ``load_seconds_total{kind=hidden|exposed}``: load time overlapped with compute vs waited for;
+- ``queue_depth{state=waiting|loading|running}``, ``loads_in_flight``,
+  ``pool_pages{tier,kind=capacity|used}``, ``device_hit_rate``;
+- ``requests_total``, ``requests_finished_total{reason}``, ``tokens_total{kind}``,
+  ``hints_total{result=accepted|rejected}``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class EngineCollector:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        c, m = s["counters"], s["cache"]
+
+        def counter(name, doc, value=None, labels=None, samples=()):
+            fam = CounterMetricFamily("kvflow_" + name, doc, value=value, labels=labels)
+            for lv, v in samples:
+                fam.add_metric(lv, v)
+            return fam
+
+        def gauge(name, doc, value=None, labels=None, samples=()):
+            fam = GaugeMetricFamily("kvflow_" + name, doc, value=value, labels=labels)
+            for lv, v in samples:
+                fam.add_metric(lv, v)
+            return fam
+
+        yield counter("requests", "Requests submitted.", c["requests"])
+        yield counter("requests_finished", "Requests finished, by reason.", labels=["reason"], samples=[
+            (["completed"], c["finished"] - c["aborted"] - c["errors"]), (["abort"], c["aborted"]),
+            (["error"], c["errors"])])
+        yield counter("tokens", "Tokens processed.", labels=["kind"], samples=[
+            (["prompt"], c["prompt_tokens"]), (["generated"], c["generation_tokens"]),
+            (["cached"], c["cached_tokens"])])
+        yield counter("hints", "Requests' kvflow hints, by parse result.", labels=["result"], samples=[
+            (["accepted"], c["hints_accepted"]), (["rejected"], c["hints_rejected"])])
+        yield counter("prompt_tokens_by_tier", "Prompt tokens by where their KV was found at match time.",
+                      labels=["tier"], samples=[
+                          (["device"], m["hit_tokens_device"]), (["host"], m["hit_tokens_host"]),
+                          (["loading"], m["hit_tokens_loading"]), (["miss"], m["miss_tokens"])])
+
+        def split(d):
+            for key, v in sorted(d.items()):
+                tier, _, reason = key.partition(":")
+                yield [tier, reason or "-"], v
+        yield counter("evictions", "Nodes evicted, by tier and reason.", labels=["tier", "reason"],
+                      samples=split(m["evictions"]))
+        yield counter("evicted_pages", "Pages evicted, by tier and reason.", labels=["tier", "reason"],
+                      samples=split(m["evicted_pages"]))
+        yield counter("backup_pages", "Device pages written through to host.", m["backup_pages"])
+        yield counter("dropped_pages", "Device pages evicted with no host copy.", m["dropped_pages"])
+        yield counter("prefetch", "Prefetches, by outcome.", labels=["outcome"], samples=[
+            ([k], m["prefetch_" + k]) for k in ("issued", "used", "wasted", "stale", "deferred")])
+        yield counter("demand_loads", "Host->device loads started on demand.", m["demand_loads"])
+        yield counter("load_seconds", "Host->device load time, hidden behind compute or exposed.",
+                      labels=["kind"], samples=[(["hidden"], m["load_hidden_s"]),
+                                                (["exposed"], m["load_exposed_s"])])
+        yield gauge("queue_depth", "Requests by scheduler state.", labels=["state"],
+                    samples=[([k], v) for k, v in s["queue"].items()])
+        yield gauge("loads_in_flight", "Host->device loads in flight.", s["loads_in_flight"])
+        yield gauge("pool_pages", "KV pool pages.", labels=["tier", "kind"], samples=[
+            (["device", "capacity"], s["device_pages"]["capacity"]),
+            (["device", "used"], s["device_pages"]["used"]),
+            (["host", "capacity"], s["host_pages"]["capacity"]),
+            (["host", "used"], s["host_pages"]["used"])])
+        yield gauge("device_hit_rate", "Prompt tokens found on device / all prompt tokens.",
+                    m["device_hit_rate"])
+
+
+def make_registry(engine) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(EngineCollector(engine))
+    return reg
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -1,0 +1,204 @@
+"""Request bookkeeping and the admission rule of the embedded engine's scheduler.
+
+Pure Python, no torch: the engine thread (``engine.py``) calls :meth:`Scheduler.admission_plan`
+once per step and does the cache and model work itself.
+
+Request life cycle (``Request.state``)::
+
+    WAITING ──(prepared: matched, locked, load started if host-only)──> WAITING/LOADING
+    LOADING ──(load ready)──> WAITING ──(admitted: pages allocated, prefill)──> RUNNING
+    RUNNING ──(EOS / stop string / max_tokens / abort)──> FINISHED
+
+Admission rule (status-aware continuous batching):
+- candidates are taken oldest first (FIFO by arrival), at most ``max_batch`` running;
+- a request whose prefix is still loading is *skipped* under a status-aware policy (kvflow) so
+  ready requests behind it run meanwhile; under the other policies it blocks the queue
+  (head-of-line, as a synchronous load would);
+- no starvation: a skipped request keeps its place, so it is the first candidate once its load
+  lands (a load finishes in bounded time); one skipped for longer than ``max_skip_s`` (its load
+  could not even start, e.g. no device room) blocks younger requests until it is ready (age
+  rule); and a ready request that could not get memory stops admission (younger requests may
+  not overtake it, or a large one could wait forever);
+- admission is bounded by batch slots and device memory; the engine then prefills admitted
+  requests in chunks (``EngineConfig.max_prefill_tokens`` per step).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+_ids = itertools.count(1)
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    LOADING = "loading"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings. ``temperature == 0`` means greedy; ``max_tokens=None`` lets the engine
+    pick (its ``default_max_tokens``, capped by what the device pool can hold)."""
+
+    max_tokens: Optional[int] = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad parameter."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be a positive integer, got {self.max_tokens!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 <= t <= 2) or math.isnan(t):
+            raise ValueError(f"temperature: must be between 0 and 2, got {t!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise ValueError(f"top_p: must be in (0, 1], got {p!r}")
+        if len(self.stop) > 16 or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in self.stop):
+            raise ValueError("stop: at most 16 non-empty strings of up to 256 characters")
+
+
+@dataclass
+class Completion:
+    """The result of one request (also the last event of a stream)."""
+
+    id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str                 # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int
+    cached_tokens: int                 # prompt tokens not recomputed (device or host hit)
+    device_hit_tokens: int             # of those: readable on device when the request arrived
+    host_hit_tokens: int               # of those: loaded from host (on demand or prefetched late)
+    computed_tokens: int               # prompt tokens prefilled
+    queue_s: float = 0.0               # arrival -> prefill start
+    load_wait_s: float = 0.0           # time spent waiting for its prefix to load
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    error: Optional[str] = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def usage_kvflow(self) -> dict:
+        """The per-tier split reported as ``usage.kvflow``."""
+        return {"device_hit_tokens": self.device_hit_tokens, "host_hit_tokens": self.host_hit_tokens,
+                "computed_tokens": self.computed_tokens, "queue_s": round(self.queue_s, 6),
+                "load_wait_s": round(self.load_wait_s, 6), "ttft_s": round(self.ttft_s, 6)}
+
+
+@dataclass
+class StreamEvent:
+    """What a request's sink receives, on the engine thread: text deltas, then one final event."""
+
+    rid: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    done: Optional[Completion] = None  # set on the last event
+
+
+Sink = Callable[[StreamEvent], None]
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+    hints: Any = None                  # kvflow_agents.protocol.Hints or None
+    fixed_len: Optional[int] = None    # fixed-prefix tokens (from kvflow_fixed_messages)
+    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.WAITING
+    # cache bookkeeping (engine thread only)
+    prepared: bool = False
+    lock_node: Any = None              # manager lock handle while prepared/running
+    ready_at: Optional[float] = None   # load ready time (backend clock) when LOADING
+    load_started: Optional[float] = None
+    recompute_host: bool = False       # its host-only prefix part is recomputed, not loaded
+    device_hit: int = 0
+    host_hit: int = 0
+    reused: int = 0                    # prompt tokens taken from the cache at prefill
+    prefilled: int = 0                 # prompt tokens whose KV is written (chunked prefill)
+    pages: list[int] = field(default_factory=list)
+    own_from: int = 0                  # pages[own_from:] belong to the request (not the tree)
+    # decoding
+    output_ids: list[int] = field(default_factory=list)
+    detok: Any = None
+    generator: Any = None
+    skips: int = 0
+    prefill_at: Optional[float] = None
+    first_token_at: Optional[float] = None
+    load_wait_s: float = 0.0
+    aborted: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens whose KV is written (prompt + all outputs fed back so far)."""
+        return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
+
+
+class Scheduler:
+    """Waiting queue + running set; decides which waiting requests to try admitting."""
+
+    def __init__(self, *, max_batch: int = 16, status_aware: bool = True, max_skip_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_batch = max_batch
+        self.max_skip_s = max_skip_s
+        self.clock = clock
+        self.status_aware = status_aware
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, rid: str) -> Optional[Request]:
+        for q in (self.waiting, self.running):
+            for r in q:
+                if r.rid == rid:
+                    q.remove(r)
+                    return r
+        return None
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def counts(self) -> dict:
+        loading = sum(1 for r in self.waiting if r.state is RequestState.LOADING)
+        return {"waiting": len(self.waiting) - loading, "loading": loading,
+                "running": len(self.running)}
+
+    def admission_plan(self, is_ready: Callable[[Request], bool]) -> Iterator[Request]:
+        """Yield waiting requests to admit, in order. The caller admits each one and calls
+        :meth:`admitted` (or stops iterating when it could not, e.g. out of memory)."""
+        budget = self.max_batch - len(self.running)
+        now = self.clock()
+        for req in list(self.waiting):
+            if budget <= 0:
+                return
+            if not is_ready(req):
+                req.skips += 1
+                if self.status_aware and now - req.arrival < self.max_skip_s:
+                    continue          # skip it; it keeps its place in the queue
+                return                # head-of-line: a synchronous load blocks the queue
+            budget -= 1
+            yield req
+
+    def admitted(self, req: Request) -> None:
+        self.waiting.remove(req)
+        req.state = RequestState.RUNNING
+        self.running.append(req)

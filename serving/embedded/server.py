@@ -1,0 +1,229 @@
+"""The embedded engine's HTTP server: OpenAI-compatible API + KVFlow endpoints (FastAPI).
+
+``create_app(engine, api_key=None)`` returns the ASGI app; ``kvflow serve`` runs it with uvicorn.
+
+Endpoints:
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream`` or not), ``GET /v1/models``,
+  ``GET /health``. ``usage.prompt_tokens_details.cached_tokens`` = prompt tokens not recomputed
+  (device or host hit); ``usage.kvflow`` splits them per tier.
+- ``POST /kvflow/v1/hints``: out-of-band hints v1 (flat ``kvflow_*`` dict, optional
+  ``kvflow_event``: ``"transition"`` or ``"end"``; "end" releases the workflow).
+- ``GET /kvflow/v1/cache``: per workflow/agent residency, STE/priority, tokens; pool usage
+  (``?format=text`` for a plain table).
+- ``GET /metrics``: Prometheus text.
+
+Sampling: ``temperature`` (default 1.0; 0 = greedy), ``top_p``, ``seed``, ``max_tokens`` /
+``max_completion_tokens``, ``stop``; extension ``ignore_eos``. ``n`` must be 1; ``logprobs`` are
+refused; other OpenAI fields (tools, response_format, penalties, user, ...) are accepted and ignored.
+
+Invariants:
+- every error is OpenAI-shaped ``{"error": {...}}``; bad JSON / bad params / a prompt over the
+  device pool's capacity are 400;
+- hints on a request never fail it: malformed ones are ignored, logged, counted and reported in
+  the ``x-kvflow-hints: rejected: <reason>`` response header (``accepted`` when used);
+- a client that disconnects (stream or not) aborts its request, which frees its KV pages;
+- with ``api_key`` set, every endpoint requires ``Authorization: Bearer <key>`` (or ``x-api-key``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Any, Optional
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvflow_agents.protocol import HEADER_REJECTED, HintError, Hints
+
+from . import metrics_prom
+from .engine import Engine, EngineInputError
+from .openai_api import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response,
+                         completion_chunk, completion_response, finish_reason, header_safe, parse,
+                         parse_hints, prompt_kwargs, usage)
+
+log = logging.getLogger("kvflow.server")
+
+
+def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
+    def check_key(request: Request) -> None:
+        if not api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key", type="authentication_error",
+                           code="invalid_api_key")
+
+    app = FastAPI(title="kvflow embedded engine", dependencies=[Depends(check_key)],
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+    registry = metrics_prom.make_registry(engine)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail),
+                       type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(APIError(400, str(exc)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return JSONResponse(APIError(500, "internal server error", type="server_error").body(),
+                            status_code=500)
+
+    async def read_json(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise APIError(400, f"invalid JSON body: {e}") from None
+
+    def hint_headers(body: dict, request: Request):
+        hints, reason = parse_hints(body, request.headers)
+        headers = {}
+        if reason is not None:
+            log.warning("ignoring malformed kvflow hints: %s", reason)
+            engine.note_hints(False)
+            headers[HEADER_REJECTED] = "rejected: " + header_safe(reason)
+        elif hints is not None:
+            engine.note_hints(True)
+            headers[HEADER_REJECTED] = "accepted"
+        return hints, headers
+
+    def build(req, kw: dict, hints):
+        try:
+            return engine.make_request(**kw, params=req.sampling(), hints=hints)
+        except EngineInputError as e:
+            raise APIError(400, str(e), param=e.param, code=e.code) from None
+
+    async def run(ereq, request: Request, *, chat: bool, stream: bool, include_usage: bool,
+                  headers: dict) -> Response:
+        model = engine.model_name
+        if stream:
+            return StreamingResponse(sse(ereq, model, chat, include_usage), media_type="text/event-stream",
+                                     headers={**headers, "cache-control": "no-cache"})
+        comp = await collect(ereq, request)
+        if comp is None:  # client went away
+            return Response(status_code=499)
+        if comp.finish_reason == "error":
+            raise APIError(500, comp.error or "generation failed", type="server_error")
+        body = chat_response(comp, model) if chat else completion_response(comp, model)
+        return JSONResponse(body, headers=headers)
+
+    async def collect(ereq, request: Request):
+        async def last():
+            async for ev in engine.stream(ereq):
+                if ev.done is not None:
+                    return ev.done
+        task = asyncio.ensure_future(last())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                return None
+
+    async def sse(ereq, model: str, chat: bool, include_usage: bool):
+        created = int(time.time())
+        rid = ereq.rid
+
+        def line(obj) -> str:
+            return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+        if chat:
+            yield line(chat_chunk(rid, model, created, delta={"role": "assistant", "content": ""}))
+        async for ev in engine.stream(ereq):
+            if ev.text:
+                yield line(chat_chunk(rid, model, created, delta={"content": ev.text}) if chat
+                           else completion_chunk(rid, model, created, text=ev.text))
+            c = ev.done
+            if c is None:
+                continue
+            if c.finish_reason == "error":
+                yield line(APIError(500, c.error or "generation failed", type="server_error").body())
+                break
+            fr = finish_reason(c)
+            yield line(chat_chunk(rid, model, created, delta={}, finish=fr) if chat
+                       else completion_chunk(rid, model, created, text="", finish=fr))
+            if include_usage:
+                yield line(chat_chunk(rid, model, created, delta={}, use=usage(c)) if chat
+                           else completion_chunk(rid, model, created, text="", use=usage(c)))
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ OpenAI API
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await read_json(request)
+        req: ChatRequest = parse(ChatRequest, body)
+        hints, headers = hint_headers(body, request)
+        ereq = build(req, {"messages": req.message_dicts()}, hints)
+        return await run(ereq, request, chat=True, stream=bool(req.stream),
+                         include_usage=req.include_usage, headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await read_json(request)
+        req: CompletionRequest = parse(CompletionRequest, body)
+        hints, headers = hint_headers(body, request)
+        ereq = build(req, prompt_kwargs(req), hints)
+        return await run(ereq, request, chat=False, stream=bool(req.stream),
+                         include_usage=req.include_usage, headers=headers)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model",
+                                            "created": 0, "owned_by": "kvflow-agents"}]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        if not engine.alive:
+            raise APIError(503, "engine thread is not running", type="server_error")
+        return {"status": "ok", "model": engine.model_name, "policy": engine.policy.name}
+
+    # ------------------------------------------------------------------ KVFlow
+    @app.post("/kvflow/v1/hints")
+    async def post_hints(request: Request) -> Response:
+        body = await read_json(request)
+        try:
+            hints = Hints.from_custom_params(body) if isinstance(body, dict) else None
+            if hints is None:
+                raise HintError("body", "expected a JSON object with kvflow_* keys")
+        except (HintError, ValueError, TypeError) as e:
+            reason = f"{e.key}: {e.reason}" if isinstance(e, HintError) else f"body: {type(e).__name__}"
+            log.warning("rejected out-of-band hints: %s", reason)
+            engine.note_hints(False)
+            err = APIError(400, f"malformed hints: {reason}", param=getattr(e, "key", None))
+            return JSONResponse(err.body(), status_code=400,
+                                headers={HEADER_REJECTED: "rejected: " + header_safe(reason)})
+        engine.note_hints(True)
+        engine.update_hints(hints)
+        return JSONResponse({"status": "ok", "workflow": hints.workflow, "agent": hints.agent,
+                             "event": hints.event or "transition"}, headers={HEADER_REJECTED: "accepted"})
+
+    @app.get("/kvflow/v1/cache")
+    async def cache(format: str = "json") -> Response:
+        from .cache_view import cache_report, render_text
+        report = await asyncio.wait_for(engine.acall(cache_report), timeout=60)
+        if format == "text":
+            return Response(render_text(report), media_type="text/plain")
+        return JSONResponse(report)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(metrics_prom.render(registry), media_type=metrics_prom.CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,18 @@
+"""``kvflow serve`` argument handling (the server itself is covered over HTTP elsewhere)."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from kvflow_agents.cli.main import app
+
+
+def test_serve_help_and_engine_choice():
+    runner = CliRunner()
+    r = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    assert "--host-link-gbps" in r.output and "EMULATION" in r.output and "--api-key" in r.output
+    r = runner.invoke(app, ["serve", "--engine", "sglang"])
+    assert r.exit_code != 0 and "sglang" in r.output
+    r = runner.invoke(app, ["serve", "--policy", "fifo"])
+    assert r.exit_code != 0 and "kvflow" in r.output
