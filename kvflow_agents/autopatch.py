@@ -111,7 +111,8 @@ def _inject(client: Any, options: Any) -> Optional[Hints]:
     try:
         from .oob import note_server
 
-        note_server(hints, str(client.base_url))
+        key = getattr(client, "api_key", None)
+        note_server(hints, str(client.base_url), f"Bearer {key}" if isinstance(key, str) and key else None)
     except Exception:  # noqa: BLE001
         pass
     return hints

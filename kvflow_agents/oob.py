@@ -53,13 +53,19 @@ def server_root(url: str) -> str:
 _root_cache: dict[str, str] = {}
 
 
-def note_server(hints: Optional[Hints], url: str) -> None:
-    """Record where an app's LLM requests go (called per hinted request; cheap)."""
+_auth: dict[str, str] = {}  # server root -> the Authorization header the app's LLM requests use
+
+
+def note_server(hints: Optional[Hints], url: str, authorization: Optional[str] = None) -> None:
+    """Record where an app's LLM requests go (called per hinted request; cheap), and how they
+    authenticate: a server started with ``--api-key`` requires the key on the hint endpoint too."""
     root = _root_cache.get(url)
     if root is None:
         root = server_root(url)
         if len(_root_cache) < 1024:
             _root_cache[url] = root
+    if authorization and _auth.get(root) != authorization and len(_auth) < 1024:
+        _auth[root] = authorization
     if hints is not None and hints.app is not None and _servers.get(hints.app) != root:
         with _servers_lock:
             _servers[hints.app] = root
@@ -108,7 +114,11 @@ class _Poster:
                     return
                 url, body = item
                 try:
-                    r = self._client.post(url, content=body, headers={"content-type": "application/json"})
+                    headers = {"content-type": "application/json"}
+                    auth = _auth.get(server_root(url))
+                    if auth:
+                        headers["authorization"] = auth
+                    r = self._client.post(url, content=body, headers=headers)
                     if r.status_code >= 400:
                         self.failed += 1
                         log.debug("kvflow: hint endpoint %s answered %s", url, r.status_code)

@@ -72,7 +72,7 @@ def _rewrite_request(lib: ModuleType, request: Any, source: HintSource) -> Any:
             return request
         from .oob import note_server
 
-        note_server(hints, str(request.url))
+        note_server(hints, str(request.url), request.headers.get("authorization"))
         try:
             body = request.content
         except lib.RequestNotRead:  # a streaming upload: not an OpenAI JSON body

@@ -10,11 +10,14 @@ _POLICIES = ("lru", "hicache", "kvflow", "oracle")
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
-    @app.command("serve")
+    @app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def serve(
+        ctx: typer.Context,
         model: str = typer.Option("smollm2-135m", help="Model preset: smollm2-135m (default), tiny-random."),
         model_path: Optional[str] = typer.Option(None, help="Local HF Llama dir or .gguf file (overrides --model)."),
-        engine: str = typer.Option("embedded", help="Serving engine: embedded (this package's CPU/GPU engine)."),
+        engine: str = typer.Option("embedded", help="Serving engine: embedded (this package's CPU/GPU engine) "
+                                   "or sglang (stock SGLang 0.5.23 + the kvflow plugin, GPU; other "
+                                   "SGLang flags are passed through)."),
         device: str = typer.Option("cpu", help="cpu or cuda."),
         host: str = typer.Option("127.0.0.1", help="Bind address."),
         port: int = typer.Option(30000, help="Port."),
@@ -35,6 +38,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                               help="Require this key (Authorization: Bearer) on every endpoint."),
         lease_s: float = typer.Option(60.0, help="Seconds a quiet workflow's hints stay in force."),
         log_level: str = typer.Option("info", help="debug | info | warning | error."),
+        record: Optional[str] = typer.Option(None, help="Append one JSON line per finished request "
+                                             "to this file (the trace format `kvflow sim replay` reads)."),
     ) -> None:
         """Serve an OpenAI-compatible API with workflow-aware KV caching (KVFlow).
 
@@ -43,10 +48,20 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         without a GPU (on CPU a real host->device copy is too fast to show it).
         """
         if engine == "sglang":
-            raise typer.BadParameter("the sglang engine is not available in `kvflow serve` yet; "
-                                     "use --engine embedded", param_hint="--engine")
+            from kvflow_agents.serving.sglang.launch import serve_sglang
+
+            if not model_path:
+                raise typer.BadParameter("the sglang engine needs --model-path (a HF model dir or id)",
+                                         param_hint="--model-path")
+            argv = ["--model-path", model_path, "--host", host, "--port", str(port),
+                    "--page-size", str(page_size), "--log-level", log_level]
+            if api_key:
+                argv += ["--api-key", api_key]
+            raise typer.Exit(serve_sglang(argv + list(ctx.args)))
         if engine != "embedded":
-            raise typer.BadParameter(f"unknown engine {engine!r}; choose embedded", param_hint="--engine")
+            raise typer.BadParameter(f"unknown engine {engine!r}; choose embedded or sglang", param_hint="--engine")
+        if ctx.args:
+            raise typer.BadParameter(f"unknown option(s) for the embedded engine: {' '.join(ctx.args)}")
         if policy not in _POLICIES:
             raise typer.BadParameter(f"choose one of {', '.join(_POLICIES)}", param_hint="--policy")
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -67,7 +82,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
                            lease_s=lease_s, default_max_tokens=max_tokens_default,
-                           max_prefill_tokens=max_prefill_tokens)
+                           max_prefill_tokens=max_prefill_tokens, record_path=record)
         t0 = time.perf_counter()
         eng = Engine(cfg)
         url = f"http://{host}:{port}/v1"

@@ -115,6 +115,11 @@ class Engine:
                          "hints_rejected": 0, "hints_accepted": 0, "steps": 0, "decode_steps": 0}
         self._snapshot: dict = {}
         self._published = 0.0
+        self.recorder = None
+        if cfg.record_path:
+            from .trace import TraceRecorder
+
+            self.recorder = TraceRecorder(cfg.record_path)
         self._thread: Optional[threading.Thread] = None
         self._publish(force=True)
         if start:
@@ -131,6 +136,8 @@ class Engine:
         self._inbox.put(lambda: None)
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.recorder is not None:
+            self.recorder.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -338,14 +345,15 @@ class Engine:
     def _step(self) -> bool:
         sched, mgr = self.scheduler, self.manager
         self.counters["steps"] += 1
-        rep = mgr.tick(self.pool.now())
-        progress = bool(rep.loads_finished or rep.prefetches_started)
+        progress = False
         for i, req in enumerate(list(sched.waiting)):  # bounded: prepared requests pin memory
             if i >= sched.max_batch:
                 break
             if not req.prepared:
-                self._prepare(req)
+                self._prepare(req)  # demand loads go on the link before this step's prefetches
                 progress = True
+        rep = mgr.tick(self.pool.now())  # finish due loads, then plan + start prefetches
+        progress |= bool(rep.loads_finished or rep.prefetches_started)
         for req in sched.admission_plan(self._is_ready):
             if not self._admit(req):
                 break
@@ -367,8 +375,11 @@ class Engine:
         if out_of_band and getattr(h, "event", None) == "end":
             self.manager.release_workflow(h.workflow, app=h.app)
             return
+        # A request's own hint does not plan prefetches here: the step first queues the
+        # request's demand load on the (FIFO) link, then ``tick`` plans the next agents'
+        # prefetches behind it; otherwise a request would wait for the prefetch it triggered.
         self.manager.update_hints(h.workflow, dict(h.ste), agent=None if out_of_band else h.agent,
-                                  step=h.step, app=h.app)
+                                  step=h.step, app=h.app, plan=out_of_band)
 
     def _prepare(self, req: Request) -> None:
         """First look at the cache: record the hit, pin the matched path, start a host load."""
@@ -620,7 +631,20 @@ class Engine:
         c["prompt_tokens"] += comp.prompt_tokens
         c["generation_tokens"] += comp.completion_tokens
         c["cached_tokens"] += comp.cached_tokens
+        if self.recorder is not None and reason != "abort":
+            try:
+                fixed = req.fixed_len if req.fixed_len is not None else self._inferred_fixed(req)
+                self.recorder.record(req, comp, fixed)
+            except Exception:  # a trace is diagnostics: never fail the request for it
+                log.exception("could not record request %s", req.rid)
         self._send(req, StreamEvent(req.rid, "", (), done=comp))
+
+    def _inferred_fixed(self, req: Request) -> int:
+        """The boundary the cache tagged for this agent (0 when none is known)."""
+        h = req.hints
+        if h is None:
+            return 0
+        return self.manager.fixed_prefix_len(h.workflow, h.agent, app=h.app)
 
     # -- stats ------------------------------------------------------------------------------
     def _publish(self, force: bool = False) -> None:

@@ -40,6 +40,7 @@ class EngineConfig:
     max_skip_s: float = 5.0               # a request skipped this long blocks younger ones
     status_aware: Optional[bool] = None   # None = the policy's default (kvflow: on)
     served_model_name: Optional[str] = None
+    record_path: Optional[str] = None     # JSONL trace of finished requests (kvflow sim replay)
 
     def validate(self) -> None:
         if self.page_size < 1 or self.device_tokens < self.page_size:

@@ -545,6 +545,11 @@ class KVCacheManager:
             self._apply_client_cap(self.hints.client_of(wf))
         return node
 
+    def fixed_prefix_len(self, workflow: str, agent: str, app: str | None = None) -> int:
+        """Tokens of ``agent``'s tagged fixed prefix in ``workflow`` (0 when none is known)."""
+        rec = self._records.get((workflow_key(workflow, app), agent))
+        return len(rec.tokens) if rec is not None else 0
+
     def infer_fixed_prefix(self, workflow: str, agent: str, tokens: Sequence[int], *,
                            app: str | None = None, tag: bool = True) -> int:
         """No declared boundary: the fixed prefix is what this agent's recent requests share.

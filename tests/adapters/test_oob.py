@@ -76,3 +76,20 @@ def test_a_full_queue_drops_instead_of_blocking(monkeypatch, recording_server):
     monkeypatch.setattr(poster, "_thread", type("T", (), {"is_alive": lambda self: True})())
     assert poster.submit("http://x", b"{}") and poster.submit("http://x", b"{}")
     assert poster.submit("http://x", b"{}") is False and poster.dropped == 1
+
+
+def test_hint_posts_reuse_the_apps_api_key(recording_server):
+    """A server started with --api-key requires it on /kvflow/v1/hints too: the reporter sends
+    the Authorization header the app's own LLM requests carry to that server."""
+    import openai
+
+    import kvflow_agents as kvflow
+
+    client = openai.OpenAI(base_url=recording_server.base_url, api_key="sk-secret", max_retries=0,
+                           http_client=kvflow.http_client())
+    with kvflow.hints(H):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert oob.HintReporter().report(H)
+    assert oob.flush(5)
+    (post,) = recording_server.hint_posts()
+    assert post.headers["authorization"] == "Bearer sk-secret"

@@ -12,7 +12,11 @@ def test_serve_help_and_engine_choice():
     r = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
     assert r.exit_code == 0
     assert "--host-link-gbps" in r.output and "EMULATION" in r.output and "--api-key" in r.output
-    r = runner.invoke(app, ["serve", "--engine", "sglang"])
-    assert r.exit_code != 0 and "sglang" in r.output
+    r = runner.invoke(app, ["serve", "--engine", "sglang"])  # needs a model path
+    assert r.exit_code != 0 and "--model-path" in r.output
+    r = runner.invoke(app, ["serve", "--engine", "tgi"])
+    assert r.exit_code != 0 and "embedded or sglang" in r.output
+    r = runner.invoke(app, ["serve", "--model", "tiny-random", "--bogus-flag", "1"])
+    assert r.exit_code != 0 and "--bogus-flag" in r.output
     r = runner.invoke(app, ["serve", "--policy", "fifo"])
     assert r.exit_code != 0 and "kvflow" in r.output

@@ -118,3 +118,22 @@ def test_chunked_prefill_matches_and_lets_decodes_run(tiny_model):
         t.join(60)
         assert done["long"].token_ids == want
         assert done["short"].latency_s < done["long"].latency_s
+
+
+def test_record_writes_a_trace_the_simulator_replays(tiny_model, tmp_path):
+    from kvflow_agents.serving.sim.workloads import from_trace, load_trace
+
+    path = tmp_path / "trace.jsonl"
+    with Engine(loaded=tiny_model, model="tiny-random", policy="kvflow", device_tokens=2048,
+                record_path=str(path)) as eng:
+        for step, agent in enumerate(["A", "B", "A"]):
+            msgs = [{"role": "system", "content": system_prompt(agent)}, {"role": "user", "content": f"q{step}"}]
+            h = Hints(workflow="w1", app="demo", agent=agent, step=step + 1,
+                      ste={"A": 0 if agent == "A" else 1, "B": 0 if agent == "B" else 1}, fixed_messages=1)
+            eng.chat(msgs, hints=h, max_tokens=3, ignore_eos=True)
+    recs = load_trace(path)
+    assert [r["agent"] for r in recs] == ["A", "B", "A"]
+    assert all(r["workflow"] == "w1" and r["app"] == "demo" and r["output_tokens"] == 3 for r in recs)
+    assert recs[0]["fixed_tokens"] > 0 and recs[0]["fixed_hash"] == recs[2]["fixed_hash"]
+    assert recs[0]["ste"] == {"A": 0, "B": 1} and recs[2]["cached_tokens"] >= recs[0]["fixed_tokens"] // 16 * 16
+    assert from_trace(recs)  # the simulator turns it into a workload
