@@ -27,8 +27,15 @@ $(STAMP): pyproject.toml setup.py
 
 install: $(STAMP)
 
+# The PEER financial-QA example (LangGraph + kvflow.instrument) against the bundled server:
+# starts `kvflow serve --model smollm2-135m` on a free port, runs 2 questions, prints answers,
+# review verdicts and the per-agent cache summary, stops the server. The device KV pool is
+# kept small and the host link emulated so that eviction, host backup and prefetch all show.
+DEMO_ARGS ?= --questions 2 --jump planning --serve-arg=--device-tokens=3072 --serve-arg=--host-link-gbps=0.5
+
 demo: $(STAMP)
-	$(VENV)/bin/kvflow graph demo
+	$(VENV)/bin/kvflow graph demo --executors 3 --rounds 1
+	$(PY) -m examples.peer_financial_qa.run $(DEMO_ARGS)
 
 # The main suite, then the SGLang plugin's suite in its own venv (.venv-sglang: SGLang pins a
 # CUDA torch, so it is installed --no-deps with torch==2.13.0 CPU; see serving/sglang/).
