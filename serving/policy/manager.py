@@ -107,6 +107,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .backend import KVTransferBackend, NullTransferBackend
+from .boundary import infer_boundary
 from .hints import HintRegistry, workflow_key
 from .metrics import CacheMetrics
 from .pages import PagePool
@@ -558,21 +559,11 @@ class KVCacheManager:
         the page-aligned longest prefix common to all of them (0 until two are seen). With
         ``tag`` the boundary is tagged (call after ``insert``).
         """
-        key = (workflow_key(workflow, app), agent)
-        hist = self._history.get(key)
-        if hist is None:
-            hist = self._history[key] = deque(maxlen=max(2, self.infer_window))
-        t = tuple(tokens)
-        hist.append(t)
-        if len(hist) < 2:
-            return 0
-        lcp = len(t)
-        for other in hist:
-            if other is not t:
-                lcp = _common_prefix_len(t, other, lcp)
+        lcp = infer_boundary(self._history, (workflow_key(workflow, app), agent), tokens,
+                             self.infer_window)
         b = lcp // self.page_size * self.page_size
         if tag and b > 0:
-            self.tag_fixed_prefix(t, b, workflow, agent, app=app)
+            self.tag_fixed_prefix(tokens, b, workflow, agent, app=app)
         return b
 
     # ================================================================ hints
@@ -1168,17 +1159,3 @@ class KVCacheManager:
             assert (self._effective_ste(tag) <= self.lookahead) == (tag in self._near), tag
         assert self._inflight_prefetch == sum(1 for _, _, ld in self._loads if ld.kind == "prefetch")
 
-
-def _common_prefix_len(a: tuple, b: tuple, hi: int) -> int:
-    """Length of the common prefix of ``a`` and ``b``, at most ``hi`` (binary search on slices)."""
-    hi = min(hi, len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -46,6 +46,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvflow_agents.protocol import HintError, Hints
+from kvflow_agents.serving.policy.boundary import infer_boundary
 from kvflow_agents.serving.policy import (EvictionStrategyAdapter, HintRegistry, KVFlowPolicy,
                                           PrefetchCandidate, PrefetchPlanner, PriorityIndex,
                                           workflow_key)
@@ -441,25 +442,9 @@ class KVFlowRadixCache(UnifiedRadixCache):
         return best.id
 
     def _infer_boundary(self, tag: tuple, prompt: list) -> int:
-        """No declared boundary: what this agent's recent prompts share (policy core's rule:
-        longest common prefix over the last ``infer_window`` requests, 0 until two are seen)."""
-        hist = self._history.get(tag)
-        if hist is None:
-            hist = self._history[tag] = deque(maxlen=max(2, self.infer_window))
-        t = tuple(prompt)
-        hist.append(t)
-        if len(hist) < 2:
-            return 0
-        lcp = len(t)
-        for other in hist:
-            if other is t:
-                continue
-            n = min(lcp, len(other))
-            i = 0
-            while i < n and other[i] == t[i]:
-                i += 1
-            lcp = i
-        return lcp
+        """No declared boundary: what this agent's recent prompts share (the policy core's
+        rule, :func:`kvflow_agents.serving.policy.boundary.infer_boundary`)."""
+        return infer_boundary(self._history, tag, prompt, self.infer_window)
 
     # ------------------------------------------------------------------ eviction
     def _evict(self, params, available_size_targets=None, *, allocation_reclaim_satisfied=None):
