@@ -105,6 +105,7 @@ class Engine:
         self.page_size = ps
         self.manager.set_reserved_pages(self._reserved_pages)  # prefetch never takes this room
         self._spt: Optional[float] = None  # measured prefill seconds per token (EMA)
+        self._step_s = 0.0                 # measured duration of a busy scheduler step (EMA)
         self._cuda = torch.device(cfg.device).type == "cuda"
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
@@ -343,6 +344,13 @@ class Engine:
         return max(t, 0.0005)
 
     def _step(self) -> bool:
+        t0 = time.perf_counter()
+        progress = self._step_once()
+        if progress:
+            self._step_s = 0.9 * self._step_s + 0.1 * (time.perf_counter() - t0)
+        return progress
+
+    def _step_once(self) -> bool:
         sched, mgr = self.scheduler, self.manager
         self.counters["steps"] += 1
         progress = False
@@ -401,7 +409,9 @@ class Engine:
         mgr = self.manager
         rs = None
         if self.config.recompute_aware and self._spt is not None:
-            rs = m.host_len * self._spt
+            # A loading request is admitted one scheduler step after its pages land at the
+            # earliest, while recomputed tokens join this step's prefill: charge the load a step.
+            rs = max(0.0, m.host_len * self._spt - self._step_s)
         ready = mgr.load_on_demand(m, recompute_s=rs)
         if ready is not None:
             req.ready_at = ready
