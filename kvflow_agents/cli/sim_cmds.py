@@ -300,13 +300,16 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from kvflow_agents.serving.sim import paper
 
         console = Console(stderr=json_out == "-")
-        v = paper.validate()
-        doc: dict = {"sim": v}
+        b = None
         if bench_json:
             try:
-                b = json.load(open(bench_json))
+                with open(bench_json) as fh:
+                    b = json.load(fh)
             except (OSError, ValueError) as e:
                 raise typer.BadParameter(str(e), param_hint="--bench-json") from None
+        v = paper.validate(b)  # the bench's own workload, pools and calibrated link when given
+        doc: dict = {"sim": v}
+        if b is not None:
             doc["bench"] = b
             doc["comparison"] = _compare_bench(v, b)
         if json_out != "-":

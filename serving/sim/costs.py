@@ -5,6 +5,13 @@
   ``n/2``: on average a new token attends to half the new run as well); a batch pays ``a`` once.
 - Decode step: ``base + per_seq*batch + per_ctx*sum(context lengths)``.
 - Host->device load of ``bytes``: ``alpha + bytes / link`` (alpha-beta model), FIFO on one link.
+- Client side (per call, after the engine finished it): ``request_overhead_s +
+  stream_per_token_s * output tokens`` (HTTP round trip, request handling outside the
+  scheduler, SSE parsing); the workflow's next call is issued that much later. 0 for the GPU
+  profiles (the paper's latencies are engine-side), fitted for ``embedded-cpu``.
+- ``calib_recompute_ratio``: ``kvflow bench``'s link calibration runs an in-process engine
+  before the servers start; its recompute time / the served engine's (1.0 = the same).
+  ``calibrate_link`` applies it so the simulated link is the one the bench would choose.
 
 Each profile constant carries a ``*_src`` note in the JSON. ``load_profile(name, **overrides)``
 accepts a profile name, a path to a JSON file holding one profile, or a dict (user-defined).
@@ -36,6 +43,9 @@ class Profile:
     decode_per_ctx: float
     link_gbps: float | None = None
     link_alpha_s: float = 0.0
+    request_overhead_s: float = 0.0
+    stream_per_token_s: float = 0.0
+    calib_recompute_ratio: float = 1.0
     device_kv_gb: float | None = None
     host_kv_gb: float | None = None
     model: str = ""
@@ -79,8 +89,9 @@ class Profile:
 
     def calibrate_link(self, fixed_tokens: int, load_fraction: float) -> float:
         """The link (GB/s) at which loading ``fixed_tokens`` costs ``load_fraction`` x recomputing
-        them (what ``kvflow bench workflow`` does on the embedded engine)."""
-        rec = self.recompute_s(fixed_tokens) - self.prefill_a
+        them (what ``kvflow bench workflow`` does on the embedded engine; its calibration measures
+        recompute on an in-process engine: ``calib_recompute_ratio`` x the served one's)."""
+        rec = (self.recompute_s(fixed_tokens) - self.prefill_a) * self.calib_recompute_ratio
         return fixed_tokens * self.kv_bytes_per_token / (rec * load_fraction) / GB
 
     def describe(self) -> str:
@@ -133,8 +144,12 @@ def load_profile(spec: "str | dict | Profile", **overrides) -> Profile:
         prof = Profile(**kw)
     except TypeError as e:
         raise ValueError(f"profile {kw.get('name')!r}: {e}") from None
-    for k in ("prefill_b", "decode_base"):
+    for k in ("prefill_b", "decode_base", "calib_recompute_ratio"):
         v = getattr(prof, k)
         if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
             raise ValueError(f"profile {prof.name!r}: {k} must be > 0")
+    for k in ("request_overhead_s", "stream_per_token_s", "link_alpha_s"):
+        v = getattr(prof, k)
+        if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+            raise ValueError(f"profile {prof.name!r}: {k} must be >= 0")
     return prof

@@ -14,6 +14,11 @@ prefill batch of newly admitted requests (up to ``max_prefill_tokens`` new token
 all running requests (decode steps between events are fast-forwarded: same batch, context
 growing by one token per step). If nothing can run the clock jumps to the next arrival or load.
 
+Client side (profile ``request_overhead_s`` + ``stream_per_token_s`` x output, 0 on the GPU
+profiles): a call ends for its client that long after the engine finished it; round latency and
+the workflow's next step use that time. The fixed prefix is tagged at ``Call.tag`` tokens
+(default ``Call.fixed``; the validation's chat template tags before the shared prefix ends).
+
 Loads (documented choices):
 - the host->device link is FIFO (:class:`SimBackend`); ``start_load`` returns
   ``max(now, link free) + alpha + bytes/BW``. Write-through (device->host backup) is modelled as
@@ -141,6 +146,7 @@ class WfState:
     outstanding: int = 0
     round_start: dict = field(default_factory=dict)
     round_end: dict = field(default_factory=dict)
+    client_done: float = 0.0     # when the client saw the last call of the current step end
 
 
 @dataclass
@@ -240,6 +246,9 @@ class Simulator:
     def _finish(self, r: Req) -> None:
         mgr, ps = self.mgr, self.ps
         r.done = self.t
+        # client side (0 on GPU profiles): HTTP/request handling + SSE parsing per output token;
+        # the client sees the call end, and issues the workflow's next call, this much later
+        client_t = self.t + self.p.request_overhead_s + self.p.stream_per_token_s * len(r.out)
         toks = r.prompt + r.out
         n = len(toks) // ps
         mgr.insert(toks[:n * ps], r.pages[:n])
@@ -248,10 +257,11 @@ class Simulator:
         self.finished.append(r)
         wf = r.wf
         wf.outstanding -= 1
+        wf.client_done = max(wf.client_done, client_t)
         if wf.outstanding == 0:
             st = wf.plan.steps[wf.step]
-            wf.round_end[st.round] = self.t
-            self._schedule_step(wf, self.t)
+            wf.round_end[st.round] = wf.client_done
+            self._schedule_step(wf, wf.client_done)
 
     # ------------------------------------------------------------------ scheduler
     def _admit(self) -> list[Req]:
@@ -389,7 +399,8 @@ class Simulator:
             mgr.unlock(r.handle)
             r.handle = h
             r.pages = m2.device_pages[:n] + allp[n:]
-            mgr.tag_fixed_prefix(r.prompt, r.call.fixed, r.wf.plan.id, r.call.agent)
+            tag = r.call.fixed if r.call.tag is None else r.call.tag
+            mgr.tag_fixed_prefix(r.prompt, tag, r.wf.plan.id, r.call.agent)
             r.first_token, r.generated = self.t, 1
             if r.generated >= len(r.out):
                 self._finish(r)

@@ -171,36 +171,132 @@ BENCH_DEFAULT = dict(agents=10, fixed=1024, dynamic=32, output=16, rounds=3, war
                      workflows=1, device_fraction=0.4, page_size=16, load_fraction=1 / 3)
 
 
-def validation_workload(template_tokens: int = 16, **over) -> tuple[Workload, float]:
-    """``kvflow bench workflow``'s default config on the ``embedded-cpu`` profile: returns the
-    workload and the calibrated link (GB/s). Pools as the bench sizes them (device = 40% of the
-    fixed prompts, host = max(8192, 2 x working set)); ``template_tokens``: ChatML overhead per
-    message (tiny-random is byte-level: the bench's calibration reused a 1040-token prefix for
-    a 1024-token system prompt)."""
+# Byte-level ChatML overhead of tiny-random (kvflow_agents/bench/RESULTS.md s1; bench JSON:
+# 162750 prompt tokens / 150 calls = 1085 = 1024 + 32 + 29): "<|im_start|>system\n" ...
+# "<|im_end|>\n" around the system prompt = 10 tokens (the server tags the fixed prefix there,
+# page-aligned down: 1034 -> 1024); the "<|im_start|>user\n" header (6) is constant per agent,
+# so the shared prefix is 1040 tokens (the calibration's reused prefix); the user message's
+# "<|im_end|>\n<|im_start|>assistant\n" adds 13 to the dynamic part.
+TEMPLATE_SYSTEM, TEMPLATE_USER_HEADER, TEMPLATE_DYNAMIC = 10, 6, 13
+
+
+def bench_config(bench: Optional[dict]) -> dict:
+    """``validation_workload`` overrides read from a ``kvflow bench workflow --json`` document
+    (workload shape, pools, the link it calibrated); ``{}`` for ``None``."""
+    if not bench:
+        return {}
+    wl, srv, cal = bench.get("workload") or {}, bench.get("server") or {}, bench.get("calibration") or {}
+    over = {k: wl[k] for k in ("agents", "fixed", "dynamic", "output", "rounds", "warmup_rounds", "workflows")
+            if isinstance(wl.get(k), int)}
+    if wl.get("variant", "cycle") != "cycle":
+        raise ValueError(f"validation simulates the cycle workflow, not {wl.get('variant')!r}")
+    for k, key in (("device_tokens", "device_tokens"), ("host_tokens", "host_tokens"),
+                   ("page_size", "page_size"), ("link_gbps", "host_link_gbps")):
+        if srv.get(key):
+            over[k] = srv[key]
+    if cal.get("load_fraction"):
+        over["load_fraction"] = cal["load_fraction"]
+    return over
+
+
+def validation_workload(template: bool = True, **over) -> tuple[Workload, float]:
+    """``kvflow bench workflow``'s default config (or ``over``, e.g. :func:`bench_config`) on
+    the ``embedded-cpu`` profile: returns the workload and the link (GB/s): ``link_gbps`` if
+    given (the bench's own calibration), else calibrated on the profile like the bench does.
+    Pools as the bench sizes them (device = 40% of the fixed prompts, host = max(8192, 2 x
+    working set)) unless ``device_tokens``/``host_tokens`` are given. ``template``: add the
+    byte-level chat-template tokens (``TEMPLATE_*``) and tag the fixed prefix where the
+    server does."""
     cfg = {**BENCH_DEFAULT, **over}
     prof = load_profile("embedded-cpu")
     ps, n, f = cfg["page_size"], cfg["agents"], cfg["fixed"]
-    w = cycle(agents=n, fixed=f + template_tokens, dynamic=cfg["dynamic"] + template_tokens,
+    shared = f + (TEMPLATE_SYSTEM + TEMPLATE_USER_HEADER if template else 0)
+    w = cycle(agents=n, fixed=shared, dynamic=cfg["dynamic"] + (TEMPLATE_DYNAMIC if template else 0),
               output=cfg["output"], rounds=cfg["rounds"], warmup_rounds=cfg["warmup_rounds"],
               workflows=cfg["workflows"], page_size=ps)
+    if template:
+        for plan in w.workflows:
+            for st in plan.steps:
+                for c in st.calls:
+                    c.tag = f + TEMPLATE_SYSTEM
     fixed_total = n * f * cfg["workflows"]
     need = -(-(f + cfg["dynamic"] + cfg["output"] + 32) // ps) * ps + ps
-    w.device_tokens = max(-(-int(cfg["device_fraction"] * fixed_total) // ps) * ps, need)
-    w.host_tokens = max(8192, 2 * (fixed_total + cfg["workflows"] * n * (cfg["dynamic"] + cfg["output"] + 32)))
+    w.device_tokens = cfg.get("device_tokens") or max(-(-int(cfg["device_fraction"] * fixed_total) // ps) * ps, need)
+    w.host_tokens = cfg.get("host_tokens") or max(
+        8192, 2 * (fixed_total + cfg["workflows"] * n * (cfg["dynamic"] + cfg["output"] + 32)))
     w.meta["bench_config"] = cfg
-    return w, prof.calibrate_link(f + template_tokens, cfg["load_fraction"])
+    link = cfg.get("link_gbps") or prof.calibrate_link(shared, cfg["load_fraction"])
+    return w, link
 
 
-def validate(**over) -> dict:
-    """The embedded engine waits for a whole on-demand load before computing (no layer-wise
-    overlap: its copy is synchronous, the emulated link only delays readiness), so
-    ``layerwise=False`` here."""
-    w, link = validation_workload(**over)
-    prof = load_profile("embedded-cpu", link_gbps=link)
+def validate(bench: Optional[dict] = None, profile: "str | dict | Profile" = "embedded-cpu",
+             **over) -> dict:
+    """Simulate ``kvflow bench workflow`` on the embedded engine's profile. ``bench``: a
+    ``kvflow bench workflow --json`` document: its workload, pools and calibrated link are used
+    (else the bench defaults and a link calibrated on the profile). The embedded engine waits
+    for a whole on-demand load before computing (no layer-wise overlap: its copy is synchronous,
+    the emulated link only delays readiness), so ``layerwise=False`` here."""
+    w, link = validation_workload(**{**bench_config(bench), **over})
+    prof = load_profile(profile, link_gbps=link)
     res = compare(prof, w, POLICIES, layerwise=False)
     return {"profile": prof.name, "link_gbps": link, "device_tokens": w.device_tokens,
-            "host_tokens": w.host_tokens,
+            "host_tokens": w.host_tokens, "bench_config": w.meta["bench_config"],
             "latency": {p: r.latency_s for p, r in res.items()},
+            "ttft": {p: r.ttft_mean_s for p, r in res.items()},
+            "cache": {p: r.cache for p, r in res.items()},
             "kvflow_vs_lru": ratio(res, "kvflow", "lru"), "kvflow_vs_hicache": ratio(res, "kvflow", "hicache"),
             "kvflow_over_oracle": res["kvflow"].latency_s / res["oracle"].latency_s,
             "order": sorted(res, key=lambda p: res[p].latency_s)}
+
+
+def fit_embedded(*, oracle_server_ttft_s: float, lru_server_ttft_s: float,
+                 oracle_client_ttft_s: float, oracle_call_s: float, oracle_round_s: float,
+                 calib_recompute_s: Optional[float] = None, fixed: int = 1024, dynamic: int = 32,
+                 output: int = 16, agents: int = 10, b0: float = 2.85e-5, c0: float = 4.35e-8,
+                 stream_per_token_s: Optional[float] = None) -> dict:
+    """Fit the ``embedded-cpu`` constants that vary with the machine's state to ONE bench run's
+    oracle and lru rows (how ``profiles.json`` was made; see its ``*_src`` notes):
+
+    - prefill: server TTFT = a + k (b0 n + c0 n (ctx + n/2)) (b0, c0: notes/embedded_engine.md
+      s2 shape) through oracle (the dynamic part on the cached shared prefix) and lru (the
+      whole prompt from scratch) -> ``prefill_a/b/c``;
+    - decode: the oracle's call latency - client TTFT = (output - 1) decode steps (+ SSE per
+      token) -> ``decode_base`` (``decode_per_seq``/``per_ctx`` kept);
+    - client side: client TTFT - server TTFT + round/agents - call latency -> ``request_overhead_s``;
+    - ``calib_recompute_ratio`` = the bench calibration's recompute / the fitted one.
+
+    ``link_alpha_s`` and ``stream_per_token_s`` need a loading / a no-stream run and are not
+    refitted here. Returns profile overrides (for ``load_profile("embedded-cpu", **fit)``)."""
+    prof = load_profile("embedded-cpu")
+    shared = fixed + TEMPLATE_SYSTEM + TEMPLATE_USER_HEADER
+    new = dynamic + TEMPLATE_DYNAMIC
+    x = lambda n, ctx: b0 * n + c0 * n * (ctx + n / 2)  # noqa: E731
+    xo, xl = x(new, shared), x(shared + new, 0)
+    k = (lru_server_ttft_s - oracle_server_ttft_s) / (xl - xo)
+    a = oracle_server_ttft_s - k * xo
+    s = prof.stream_per_token_s if stream_per_token_s is None else stream_per_token_s
+    step = (oracle_call_s - oracle_client_ttft_s - (output - 1) * s) / (output - 1)
+    ctx = shared + new + output // 2
+    fit = {"prefill_a": a, "prefill_b": k * b0, "prefill_c": k * c0,
+           "decode_base": step - prof.decode_per_seq - prof.decode_per_ctx * ctx,
+           "request_overhead_s": (oracle_client_ttft_s - oracle_server_ttft_s
+                                  + oracle_round_s / agents - oracle_call_s - s),
+           "stream_per_token_s": s}
+    if calib_recompute_s:
+        fit["calib_recompute_ratio"] = calib_recompute_s / (k * x(shared, 0))
+    if a <= 0 or k <= 0 or fit["decode_base"] <= 0 or fit["request_overhead_s"] < 0:
+        raise ValueError(f"fit_embedded: non-physical fit {fit}")
+    return fit
+
+
+def fit_embedded_bench(bench: dict) -> dict:
+    """:func:`fit_embedded` on a ``kvflow bench workflow --json`` document (means of the
+    oracle and lru rows; server TTFT = the responses' ``usage.kvflow.ttft_s``)."""
+    pol = bench["policies"]
+    o, lr = pol["oracle"]["workload"], pol["lru"]["workload"]
+    wl = bench.get("workload") or {}
+    kw = {k: wl[k] for k in ("fixed", "dynamic", "output", "agents") if isinstance(wl.get(k), int)}
+    return fit_embedded(oracle_server_ttft_s=o["server_ttft_mean_s"], lru_server_ttft_s=lr["server_ttft_mean_s"],
+                        oracle_client_ttft_s=o["ttft_mean_s"], oracle_call_s=o["call_latency_mean_s"],
+                        oracle_round_s=o["workflow_latency_mean_s"],
+                        calib_recompute_s=(bench.get("calibration") or {}).get("recompute_s"), **kw)

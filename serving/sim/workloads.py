@@ -41,6 +41,8 @@ class Call:
     fixed: int
     dynamic: int
     output: int
+    tag: Optional[int] = None  # tokens the server tags as the fixed prefix (None: ``fixed``);
+    # less than ``fixed`` when the shared prefix runs past the tag (chat-template header)
 
 
 @dataclass

@@ -232,3 +232,91 @@ def test_kvflow_recomputes_when_the_link_is_slower_than_recompute():
     fast = load_profile(A10G, link_gbps=2)
     assert simulate(fast, wl(), "kvflow").latency_s == pytest.approx(
         simulate(fast, wl(), "kvflow", load_vs_recompute=False).latency_s)
+
+
+# ------------------------------------------------------------------ embedded-cpu per-event costs
+def test_gpu_profiles_have_no_client_side_costs():
+    from kvflow_agents.serving.sim.costs import profile_names
+    for name in profile_names():
+        p = load_profile(name)
+        if name != "embedded-cpu":
+            assert (p.request_overhead_s, p.stream_per_token_s, p.calib_recompute_ratio) == (0.0, 0.0, 1.0)
+    emb = load_profile("embedded-cpu")
+    assert emb.request_overhead_s > 0 and emb.stream_per_token_s > 0 and emb.link_alpha_s > 0
+    from kvflow_agents.serving.sim.costs import profile_sources
+    src = profile_sources("embedded-cpu")
+    for k in ("request_overhead_s", "stream_per_token_s", "calib_recompute_ratio", "link_alpha_s",
+              "prefill_a", "decode_base"):
+        assert src.get(k), k
+
+
+@pytest.mark.parametrize("policy", ["oracle", "lru"])
+def test_request_overhead_and_stream_shift_round_latency(policy):
+    """Client-side costs are serial per call: a round of N sequential calls gets N x (overhead +
+    stream x output) longer, and the engine side (TTFT) does not move."""
+    w = lambda: small_cycle(page_size=16)  # noqa: E731
+    emb = load_profile("embedded-cpu", link_gbps=0.1)
+    base = simulate(load_profile(emb, request_overhead_s=0.0, stream_per_token_s=0.0), w(), policy)
+    ovh = simulate(load_profile(emb, request_overhead_s=0.006, stream_per_token_s=0.0), w(), policy)
+    both = simulate(emb, w(), policy)
+    assert emb.request_overhead_s > 0 and emb.stream_per_token_s > 0
+    assert ovh.latency_s - base.latency_s == pytest.approx(6 * 0.006, rel=1e-9)
+    per_call = emb.request_overhead_s + emb.stream_per_token_s * 16
+    assert both.latency_s - base.latency_s == pytest.approx(6 * per_call, rel=1e-9)
+    assert both.ttft_mean_s == pytest.approx(base.ttft_mean_s, rel=1e-12)
+
+
+def test_link_alpha_is_paid_per_demand_load():
+    """hicache without layer-wise overlap waits for every on-demand load of a sequential cycle:
+    a per-load alpha adds exactly alpha per call."""
+    w = lambda: small_cycle(page_size=16, device_fraction=0.4)  # noqa: E731
+    emb = load_profile("embedded-cpu", link_gbps=0.1)
+    r0 = simulate(load_profile(emb, link_alpha_s=0.0), w(), "hicache", layerwise=False)
+    r1 = simulate(load_profile(emb, link_alpha_s=0.001), w(), "hicache", layerwise=False)
+    assert r0.cache["demand_loads"] > 0
+    assert r1.latency_s - r0.latency_s == pytest.approx(6 * 0.001, rel=1e-6)
+
+
+def test_calibrate_link_uses_calibration_ratio():
+    emb = load_profile("embedded-cpu")
+    one = load_profile(emb, calib_recompute_ratio=1.0)
+    assert emb.calibrate_link(1040, 1 / 3) == pytest.approx(one.calibrate_link(1040, 1 / 3) / emb.calib_recompute_ratio)
+    with pytest.raises(ValueError, match="request_overhead_s"):
+        load_profile(emb, request_overhead_s=-1.0)
+
+
+def test_fit_embedded_recovers_the_profile():
+    """Feeding fit_embedded the profile's own predictions gives its constants back."""
+    emb = load_profile("embedded-cpu")
+    shared, new = 1024 + paper.TEMPLATE_SYSTEM + paper.TEMPLATE_USER_HEADER, 32 + paper.TEMPLATE_DYNAMIC
+    so, sl = emb.prefill_s([(new, shared)]), emb.prefill_s([(shared + new, 0)])
+    shape = dict(b0=emb.prefill_b, c0=emb.prefill_c)  # the profile's own b:c ratio
+    step = emb.decode_s(1, shared + new + 8)
+    call = so + 15 * (step + emb.stream_per_token_s) + 0.002
+    fit = paper.fit_embedded(oracle_server_ttft_s=so, lru_server_ttft_s=sl,
+                             oracle_client_ttft_s=so + 0.002, oracle_call_s=call,
+                             oracle_round_s=10 * (call + emb.request_overhead_s - 0.002 + emb.stream_per_token_s),
+                             calib_recompute_s=emb.recompute_s(shared) - emb.prefill_a, **shape)
+    for k in ("prefill_a", "prefill_b", "prefill_c", "decode_base", "request_overhead_s"):
+        assert fit[k] == pytest.approx(getattr(emb, k), rel=1e-6), k
+    assert fit["calib_recompute_ratio"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="non-physical"):
+        paper.fit_embedded(oracle_server_ttft_s=sl, lru_server_ttft_s=so, oracle_client_ttft_s=so,
+                           oracle_call_s=call, oracle_round_s=10 * call)
+
+
+def test_validate_reads_bench_config_and_template():
+    bench = {"workload": {"variant": "cycle", "agents": 4, "fixed": 512, "dynamic": 32, "output": 8,
+                          "rounds": 2, "warmup_rounds": 1, "workflows": 1},
+             "server": {"device_tokens": 1024, "host_tokens": 8192, "page_size": 16, "host_link_gbps": 0.2},
+             "calibration": {"load_fraction": 1 / 3}}
+    w, link = paper.validation_workload(**paper.bench_config(bench))
+    assert link == 0.2 and w.device_tokens == 1024 and w.host_tokens == 8192
+    c = w.workflows[0].steps[0].calls[0]
+    assert (c.fixed, c.dynamic, c.tag) == (512 + 16, 32 + 13, 512 + 10)
+    v = paper.validate(bench)
+    assert v["link_gbps"] == 0.2 and v["bench_config"]["agents"] == 4
+    lat = v["latency"]
+    assert min(lat, key=lat.get) == "oracle" and max(lat, key=lat.get) == "lru"
+    with pytest.raises(ValueError, match="cycle"):
+        paper.bench_config({"workload": {"variant": "fanout"}})
