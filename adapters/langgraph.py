@@ -363,12 +363,16 @@ class LangGraphInstrumentation:
         if transition is not None:
             self.reporter.report(hints.model_copy(update={"event": "transition"}), event="transition")
 
-    def _on_after_tick(self, loop: Any) -> None:
-        """The super-step ran: its tasks finish (and arrive at barriers) together."""
+    def _loop_workflow(self, loop: Any) -> Any:
+        """The tracked workflow a Pregel loop belongs to (by thread id, else root run id)."""
         manager = getattr(loop, "manager", None)
         conf = (loop.config or {}).get("configurable") or {}
         wid = self._workflow_id(conf.get("thread_id"), getattr(manager, "run_id", None))
-        wf = self._workflow(wid, create=False) if wid is not None else None
+        return self._workflow(wid, create=False) if wid is not None else None
+
+    def _on_after_tick(self, loop: Any) -> None:
+        """The super-step ran: its tasks finish (and arrive at barriers) together."""
+        wf = self._loop_workflow(loop)
         if wf is None:
             return
         with wf.lock:
@@ -387,10 +391,7 @@ class LangGraphInstrumentation:
 
     def _on_loop_exit(self, loop: Any) -> None:
         """``tick()`` said the loop is over (done, out of steps, draining)."""
-        manager = getattr(loop, "manager", None)
-        conf = (loop.config or {}).get("configurable") or {}
-        wid = self._workflow_id(conf.get("thread_id"), getattr(manager, "run_id", None))
-        wf = self._workflow(wid, create=False) if wid is not None else None
+        wf = self._loop_workflow(loop)
         if wf is None:
             return
         with wf.lock:

@@ -53,3 +53,16 @@ def serve(m: KVCacheManager, tokens, prefix_len: int, workflow: str, agent: str,
     if tag:
         m.tag_fixed_prefix(tokens, prefix_len, workflow, agent)
     return first
+
+
+def put(m: KVCacheManager, tokens, wf=None, agent=None, fixed=None, app=None):
+    """Insert tokens as an engine would after prefill; tag when an agent is given."""
+    pm = m.match(tokens, record=False)
+    h = m.lock(pm)
+    pages = m.allocate(len(tokens) // m.page_size - len(pm.device_pages))
+    assert pages is not None
+    node = m.insert(tokens, pm.device_pages + pages)
+    m.unlock(h)
+    if agent:
+        m.tag_fixed_prefix(tokens, fixed if fixed is not None else len(tokens), wf, agent, app=app)
+    return node

@@ -3,6 +3,7 @@ first hint, before that agent has run in the new instance (one PEER question = o
 
 from kvflow_agents.serving.policy import PrefixStatus
 from policy_driver import make_manager
+from policy_driver import put as _put
 
 APP = "peer"
 X = list(range(100, 108))   # agent x's fixed prefix (8 tokens)
@@ -10,12 +11,7 @@ Y = list(range(200, 208))   # agent y's fixed prefix
 
 
 def put(m, tokens, wf, agent, app=APP):
-    pm = m.match(tokens, record=False)
-    h = m.lock(pm)
-    pages = m.allocate(len(tokens) // m.page_size - len(pm.device_pages))
-    m.insert(tokens, pm.device_pages + pages)
-    m.unlock(h)
-    m.tag_fixed_prefix(tokens, len(tokens), wf, agent, app=app)
+    return _put(m, tokens, wf, agent, app=app)
 
 
 def test_hint_in_a_new_workflow_binds_the_apps_known_prefix():

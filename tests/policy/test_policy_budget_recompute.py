@@ -16,21 +16,10 @@ import math
 import pytest
 
 from kvflow_agents.serving.policy import PrefetchCandidate, PrefetchPlanner, PrefixStatus
-from policy_driver import make_manager
+from policy_driver import make_manager, put
 
 INF = math.inf
 
-
-def put(m, tokens, wf=None, agent=None, fixed=None):
-    pm = m.match(tokens, record=False)
-    h = m.lock(pm)
-    pages = m.allocate(len(tokens) // m.page_size - len(pm.device_pages))
-    assert pages is not None
-    node = m.insert(tokens, pm.device_pages + pages)
-    m.unlock(h)
-    if agent:
-        m.tag_fixed_prefix(tokens, fixed if fixed is not None else len(tokens), wf, agent)
-    return node
 
 
 def host_only(m, tokens, wf, agent):

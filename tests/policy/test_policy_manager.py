@@ -10,22 +10,10 @@ import pytest
 from kvflow_agents.serving.policy import (POLICIES, KVCacheManager, KVFlowPolicy,
                                           PrefetchCandidate, PrefetchPlanner, PrefixStatus,
                                           get_policy)
-from policy_driver import make_manager, serve
+from policy_driver import make_manager, put, serve
 
 INF = float("inf")
 
-
-def put(m, tokens, wf=None, agent=None, fixed=None):
-    """Insert tokens as an engine would after prefill; tag when an agent is given."""
-    pm = m.match(tokens, record=False)
-    h = m.lock(pm)
-    pages = m.allocate(len(tokens) // m.page_size - len(pm.device_pages))
-    assert pages is not None
-    node = m.insert(tokens, pm.device_pages + pages)
-    m.unlock(h)
-    if agent:
-        m.tag_fixed_prefix(tokens, fixed if fixed is not None else len(tokens), wf, agent)
-    return node
 
 
 def test_registry_and_names():
