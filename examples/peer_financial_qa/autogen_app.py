@@ -61,6 +61,8 @@ from autogen_core import CancellationToken
 from autogen_core.model_context import ChatCompletionContext
 from autogen_core.models import LLMMessage, ModelInfo, UserMessage
 
+from kvflow_agents.bench.peer import PeerApp
+
 from . import prompts
 from .app import DEFAULT_SUB_QUESTIONS, default_sub_questions, parse_plan, parse_verdict, pick_snippets
 
@@ -553,13 +555,14 @@ def _adapter_available() -> bool:
     return True
 
 
-class AutoGenPeerApp:
+class AutoGenPeerApp(PeerApp):
     """The AutoGen PEER app with the interface of ``kvflow_agents.bench.peer.PeerApp``:
     ``AutoGenPeerApp(base_url, model, opts, api_key, on_call=None)``, ``.ask(q, wf_index, label,
     measured) -> seconds``, ``.capture.calls`` (``CallRecord`` per LLM call, ``agent`` = the role:
     ``executor_i`` is filed as ``executor``), ``.result`` (``WorkloadResult``), ``.answers``,
     ``.instrumented``, ``.base_url``. ``opts`` is a ``PeerOptions`` (``jump``, ``max_rounds``,
-    ``max_tokens``, ``seed``; ``executors`` when it has one, else 3)."""
+    ``max_tokens``, ``seed``; ``executors`` when it has one, else 3). Timing and recording are
+    ``PeerApp.ask``'s; only how a question runs differs."""
 
     class _Capture:
         def __init__(self) -> None:
@@ -598,26 +601,8 @@ class AutoGenPeerApp:
         if self._on_call is not None:
             self._on_call(cr)
 
-    def ask(self, q: Any, wf_index: int, label: str, measured: bool) -> float:
-        from kvflow_agents.bench.workload import RoundRecord
-
-        cap = self.capture
-        cap.workflow, cap.round, cap.measured = wf_index, 0, measured
-        t0 = time.perf_counter()
-        err = None
-        try:
-            out = self.peer.invoke(q)
-        except Exception as e:  # noqa: BLE001 — recorded; the benchmark goes on
-            out, err = {}, f"{type(e).__name__}: {e}"
-        dt = time.perf_counter() - t0
-        self.result.rounds.append(RoundRecord(wf_index, 0, measured, t0, dt))
-        if measured:
-            self.result.measured_s += dt
-        self.answers.append({"question": _field(q, "id"), "measured": measured, "seconds": dt, "error": err,
-                             "executors": len(out.get("sub_questions") or []),
-                             "verdicts": list(out.get("verdicts") or []),
-                             "final_verdict": out.get("final_verdict")})
-        return dt
+    def _invoke(self, q: Any, wf_index: int, label: str) -> dict:
+        return self.peer.invoke(q)
 
     def close(self) -> None:
         self.peer.close()  # nothing held between questions; safe to skip

@@ -183,16 +183,21 @@ class PeerApp:
         self.result = WorkloadResult()
         self.answers: list[dict] = []
 
-    def ask(self, q: Any, wf_index: int, label: str, measured: bool) -> float:
+    def _invoke(self, q: Any, wf_index: int, label: str) -> dict:
+        """Run one question through the app (one workflow); the final state."""
         from examples.peer_financial_qa.app import initial_state
 
+        return self.app.invoke(initial_state(q), config={
+            "recursion_limit": 64, "configurable": {"thread_id": f"bench-peer-{label}-{wf_index}-{q.id}"}})
+
+    def ask(self, q: Any, wf_index: int, label: str, measured: bool) -> float:
+        """Time one question, file its calls under ``wf_index``; returns the seconds it took."""
         cap = self.capture
         cap.workflow, cap.round, cap.measured = wf_index, 0, measured
         t0 = time.perf_counter()
         err = None
         try:
-            out = self.app.invoke(initial_state(q), config={
-                "recursion_limit": 64, "configurable": {"thread_id": f"bench-peer-{label}-{wf_index}-{q.id}"}})
+            out = self._invoke(q, wf_index, label)
         except Exception as e:  # noqa: BLE001 — recorded; the benchmark goes on
             out, err = {}, f"{type(e).__name__}: {e}"
         dt = time.perf_counter() - t0

@@ -58,6 +58,25 @@ def _progress(enabled: bool, console):
         yield hook
 
 
+def _run_and_report(run, console, meta: dict, *, title: str, targets, progress: bool, raw: bool,
+                    json_out: Optional[str], plot_out: Optional[str]) -> None:
+    """Run a bench (``run(progress_hook, log)`` -> results), then table / JSON / plot; exit 3
+    when a server did not start, 1 when any request failed."""
+    from kvflow_agents.bench import report
+    from kvflow_agents.bench.server import ServerStartError
+
+    try:
+        with _progress(progress and json_out != "-", console) as hook:
+            results = run(hook, lambda s: console.print(f"[dim]{escape(s)}[/]"))
+    except ServerStartError as e:
+        console.print(f"[red]error: a server did not start[/]\n{escape(str(e))}")
+        raise typer.Exit(3) from None
+    doc = report.to_json(meta, results, targets, raw=raw)
+    _emit(console, doc, results, title=title, targets=targets, json_path=json_out, plot_path=plot_out)
+    if any(r.workload.get("errors") for r in results):
+        raise typer.Exit(1)
+
+
 def _emit(console, doc: dict, results, *, title: str, targets, json_path: Optional[str],
           plot_path: Optional[str]) -> None:
     from kvflow_agents.bench import report
@@ -120,7 +139,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         from kvflow_agents.bench import report
         from kvflow_agents.bench.runner import ServerConfig, run_workflow_bench
-        from kvflow_agents.bench.server import ServerStartError
         from kvflow_agents.bench.workload import (VARIANTS, WorkloadSpec, fixed_prompt_tokens,
                                                   request_tokens, token_counter)
 
@@ -175,22 +193,15 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                               "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
                               "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total}
         meta["command"] = "kvflow bench workflow " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "workflow"] else [])
-        try:
-            with _progress(progress and json_out != "-", console) as hook:
-                results = run_workflow_bench(spec, pols, server, counter=counter, base_url=base_url,
-                                             model=served_model or model, api_key=api_key,
-                                             trials=trials, stream=stream, progress=hook, keep_raw=raw,
-                                             log=lambda s: console.print(f"[dim]{escape(s)}[/]"))
-        except ServerStartError as e:
-            console.print(f"[red]error: a server did not start[/]\n{escape(str(e))}")
-            raise typer.Exit(3) from None
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}")
-        targets = report.WORKFLOW_TARGETS if not base_url else ()
-        doc = report.to_json(meta, results, targets, raw=raw)
-        _emit(console, doc, results, title=title, targets=targets, json_path=json_out, plot_path=plot_out)
-        if any(r.workload.get("errors") for r in results):
-            raise typer.Exit(1)
+        _run_and_report(
+            lambda hook, log: run_workflow_bench(spec, pols, server, counter=counter, base_url=base_url,
+                                                 model=served_model or model, api_key=api_key,
+                                                 trials=trials, stream=stream, progress=hook,
+                                                 keep_raw=raw, log=log),
+            console, meta, title=title, targets=report.WORKFLOW_TARGETS if not base_url else (),
+            progress=progress, raw=raw, json_out=json_out, plot_out=plot_out)
 
     @bench_app.command("peer")
     def peer(
@@ -227,7 +238,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from rich.console import Console
 
         from kvflow_agents.bench import report
-        from kvflow_agents.bench.server import ServerStartError
 
         if framework not in ("langgraph", "autogen"):
             raise typer.BadParameter("choose langgraph or autogen", param_hint="--framework")
@@ -288,19 +298,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                               "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
                               "fixed_prompt_tokens": fixed_toks}
         meta["command"] = "kvflow bench peer " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "peer"] else [])
-        try:
-            with _progress(progress and json_out != "-", console) as hook:
-                results = peer_bench.run_peer_bench(qs, warm, opts, pols, server, base_url=base_url,
-                                                    model=served_model or model, api_key=api_key,
-                                                    progress=hook, keep_raw=raw,
-                                                    log=lambda s: console.print(f"[dim]{escape(s)}[/]"))
-        except ServerStartError as e:
-            console.print(f"[red]error: a server did not start[/]\n{escape(str(e))}")
-            raise typer.Exit(3) from None
         title = (f"kvflow bench peer: {len(qs)} question(s) ({', '.join(q.id for q in qs)}), {model}, "
                  f"max_tokens {max_tokens}")
-        targets = report.PEER_TARGETS if not base_url else ()
-        doc = report.to_json(meta, results, targets, raw=raw)
-        _emit(console, doc, results, title=title, targets=targets, json_path=json_out, plot_path=plot_out)
-        if any(r.workload.get("errors") for r in results):
-            raise typer.Exit(1)
+        _run_and_report(
+            lambda hook, log: peer_bench.run_peer_bench(qs, warm, opts, pols, server, base_url=base_url,
+                                                        model=served_model or model, api_key=api_key,
+                                                        progress=hook, keep_raw=raw, log=log),
+            console, meta, title=title, targets=report.PEER_TARGETS if not base_url else (),
+            progress=progress, raw=raw, json_out=json_out, plot_out=plot_out)

@@ -122,7 +122,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         """One configuration, policies side by side."""
         from rich.console import Console
 
-        from kvflow_agents.serving.sim import cycle, fanout, peer, report
+        from kvflow_agents.serving.sim import cycle, fanout, peer
 
         pols = _policies(policies)
         prof = _profile(profile, link_gbps)
@@ -148,12 +148,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         res = _run_policies(prof, wl, pols, console, progress and json_out != "-", lookahead=lookahead,
                             layerwise=layerwise)
         title = f"kvflow sim run: {wl.name} on {prof.name} (link {prof.link_gbps} GB/s)"
-        if json_out != "-":
-            console.print(report.run_table(res, title))
-        _emit(console, {"workload": wl.meta, "profile": prof.as_dict(),
-                        "results": {p: r.as_dict() for p, r in res.items()}}, json_out)
-        if plot_out:
-            report.plot_run(res, plot_out, title)
+        _report_run(console, res, wl, prof, title, json_out, plot_out)
 
     @sim.command("paper")
     def paper_cmd(
@@ -247,7 +242,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         """Replay a trace recorded by the embedded server (``kvflow serve --record``) at scale."""
         from rich.console import Console
 
-        from kvflow_agents.serving.sim import from_trace, load_trace, report
+        from kvflow_agents.serving.sim import from_trace, load_trace
 
         pols = _policies(policies)
         prof = _profile(profile, link_gbps)
@@ -262,12 +257,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         console = Console(stderr=json_out == "-")
         res = _run_policies(prof, wl, pols, console, progress and json_out != "-")
         title = f"kvflow sim replay: {trace} x{scale} on {prof.name}"
-        if json_out != "-":
-            console.print(report.run_table(res, title))
-        _emit(console, {"workload": wl.meta, "profile": prof.as_dict(),
-                        "results": {p: r.as_dict() for p, r in res.items()}}, json_out)
-        if plot_out:
-            report.plot_run(res, plot_out, title)
+        _report_run(console, res, wl, prof, title, json_out, plot_out)
 
     @sim.command("profiles")
     def profiles(name: Optional[str] = typer.Argument(None, help="Show one profile with sources.")) -> None:
@@ -315,6 +305,19 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         if json_out != "-":
             console.print_json(json.dumps(doc.get("comparison") or v, default=str))
         _emit(console, doc, json_out)
+
+
+def _report_run(console, res: dict, wl, prof, title: str, json_out: Optional[str],
+                plot_out: Optional[str]) -> None:
+    """Policies side by side: a table (unless JSON goes to stdout), JSON, an optional plot."""
+    from kvflow_agents.serving.sim import report
+
+    if json_out != "-":
+        console.print(report.run_table(res, title))
+    _emit(console, {"workload": wl.meta, "profile": prof.as_dict(),
+                    "results": {p: r.as_dict() for p, r in res.items()}}, json_out)
+    if plot_out:
+        report.plot_run(res, plot_out, title)
 
 
 def _compare_bench(sim: dict, bench: dict) -> dict:
