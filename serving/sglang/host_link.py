@@ -57,11 +57,12 @@ class HostLink:
     """One emulated link: FIFO, ``gbps`` x 1e9 bytes per second."""
 
     def __init__(self, gbps: float, *, clock: Callable[[], float] = time.monotonic,
-                 poison: bool = False) -> None:
+                 sleep: Callable[[float], Any] = time.sleep, poison: bool = False) -> None:
         if not (isinstance(gbps, (int, float)) and math.isfinite(gbps) and gbps > 0):
             raise HostLinkError(f"host link speed must be a positive number of GB/s, got {gbps!r}")
         self.gbps = float(gbps)
         self.clock = clock
+        self._sleep = sleep
         self.poison = poison
         self._free_at = 0.0
         self._lock = threading.Lock()
@@ -84,7 +85,7 @@ class HostLink:
         d = t - self.clock()
         if d > 0:
             self.stats["waited_s"] += d
-            time.sleep(d)
+            self._sleep(d)
 
     def snapshot(self) -> dict:
         return {"gbps": self.gbps, **{k: (round(v, 6) if isinstance(v, float) else v)
@@ -178,7 +179,8 @@ def _poison(transfers) -> None:
 
 
 def install(gbps: float, *, poison: Optional[bool] = None,
-            clock: Callable[[], float] = time.monotonic) -> HostLink:
+            clock: Callable[[], float] = time.monotonic,
+            sleep: Callable[[float], Any] = time.sleep) -> HostLink:
     """Put the emulated link under SGLang's H2D copies in this process (idempotent for the
     same speed). Returns the link."""
     global _link
@@ -199,7 +201,7 @@ def install(gbps: float, *, poison: Optional[bool] = None,
         if missing:
             raise HostLinkError(f"{getattr(owner, '__name__', owner)} has no {', '.join(missing)}: "
                                 f"SGLang moved (written for sglang==0.5.23)")
-    link = HostLink(gbps, clock=clock, poison=poison)
+    link = HostLink(gbps, clock=clock, sleep=sleep, poison=poison)
     orig_submit = l2.L2TransferEngine.submit_host_to_device
     orig_wait = cc.LayerLoadingEvent.wait
 

@@ -50,11 +50,24 @@ else:
         yield c
         c.close()
 
+    @pytest.fixture
+    def retract(pool, model_dir, request):
+        c = Client(pool.get("retract"), model_dir)
+        request.node.kvflow_pool = pool
+        yield c
+        c.close()
+
     @pytest.fixture(scope="session")
     def tokenizer(model_dir):
         from kvflow_agents.serving.embedded.model.tokenizer import ChatTokenizer
 
         return ChatTokenizer.from_dir(model_dir)
+
+    def pytest_collection_modifyitems(items):
+        # A test that starts a server pays its 35-120 s start-up (this box is shared).
+        for item in items:
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(900))
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(item, call):

@@ -10,7 +10,8 @@ cache:
 - ``kvflow``: SGLang + HiCache + the plugin (``--radix-cache-backend kvflow
   --radix-eviction-policy kvflow``), with the link poisoning in-flight rows (a request that
   read KV before it landed would decode garbage, so identical outputs prove it never does);
-- ``bugs``: the plugin's configuration again, for the tests that (until fixed) crash a server.
+- ``retract``: the plugin's configuration with SGLang's ``SGLANG_TEST_RETRACT`` (a decoding
+  request is retracted and queued again every 3 forward steps), for the re-queue test.
 
 A server start costs 35-100 s on this shared 2-core box, so each configuration is started once
 per session (:class:`ServerPool`), both main ones concurrently, and restarted only if a test
@@ -55,7 +56,9 @@ def launch(model_dir: str, python: str) -> SGLangLaunch:
 CONFIGS: dict[str, dict[str, Any]] = {
     "stock": {"policy": "hicache"},
     "kvflow": {"policy": "kvflow", "env": {"KVFLOW_HOST_LINK_POISON": "1"}},
-    "bugs": {"policy": "kvflow", "env": {"KVFLOW_HOST_LINK_POISON": "1"}},
+    # SGLang's own test switch: retract a decoding request every 3 forward steps (what memory
+    # pressure does, on a schedule)
+    "retract": {"policy": "kvflow", "env": {"SGLANG_TEST_RETRACT": "1"}},
 }
 
 

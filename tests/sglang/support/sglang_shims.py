@@ -22,6 +22,9 @@ with :class:`ShimError` instead of serving something half-patched):
   calls get torch versions: ``assign_req_to_token_pool_cpu`` and
   ``copy_all_layer_kv_cache_cpu``.
 - ``mem_cache/pool_host/common.py::_cuda_host_register`` -> no-op (host pools pin by default).
+- ``mem_cache/pool_host/base.py::HICACHE_HOST_MEMORY_RESERVE_BYTES`` 10 GiB -> 256 MiB: SGLang
+  keeps 10 GiB of host RAM free before sizing any host pool (a GPU server's margin); on a small
+  shared CPU box that refuses even a 1 MB pool.
 - HiCache copies: ``transfer_kv_direct`` (torch: ``dst[di] = src[si]`` per layer) set on
   ``mem_cache/pool_host/mha.py``; the server must run ``--hicache-io-backend direct
   --hicache-mem-layout layer_first`` (:data:`CPU_SERVER_ARGS`), the only layout with a torch
@@ -54,6 +57,8 @@ CPU_SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native",
 CUDA_SERVER_ARGS = ("--attention-backend", "torch_native", "--sampling-backend", "pytorch",
                     "--disable-cuda-graph", "--hicache-io-backend", "direct",
                     "--hicache-mem-layout", "layer_first")
+
+CPU_HOST_MEMORY_RESERVE_BYTES = 256 * 1024 ** 2
 
 _installed: str | None = None
 
@@ -201,6 +206,11 @@ def _patch_pool_host_common(module) -> None:
     module._cuda_host_register = lambda *a, **k: None
 
 
+def _patch_pool_host_base(module) -> None:
+    _require(module, "HICACHE_HOST_MEMORY_RESERVE_BYTES", "host_memory_budget_bytes")
+    module.HICACHE_HOST_MEMORY_RESERVE_BYTES = CPU_HOST_MEMORY_RESERVE_BYTES
+
+
 def _patch_pool_host_mha(module) -> None:
     _require(module, "MHATokenToKVPoolHost")
     _require(module.MHATokenToKVPoolHost, "load_to_device_per_layer_physical",
@@ -231,13 +241,15 @@ def install(device: str) -> None:
     if _installed is not None:
         raise ShimError(f"shims already installed for {_installed}")
     _check_version()
-    for name in ("sglang.srt.mem_cache.pool_host.common", "sglang.srt.mem_cache.pool_host.mha"):
+    for name in ("sglang.srt.mem_cache.pool_host.common", "sglang.srt.mem_cache.pool_host.mha",
+                 "sglang.srt.mem_cache.pool_host.base"):
         if name in sys.modules:
             raise ShimError(f"{name} was imported before the shims; start the process with the "
                             f"shims folder on PYTHONPATH and {ENV}={device}")
     if device == "cpu":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
         patches = {"sglang.srt.mem_cache.pool_host.common": _patch_pool_host_common,
+                   "sglang.srt.mem_cache.pool_host.base": _patch_pool_host_base,
                    "sglang.srt.mem_cache.pool_host.mha": _patch_pool_host_mha}
     else:
         os.environ.setdefault("SGLANG_FORCE_FUSED_OP_BACKEND", "torch")
