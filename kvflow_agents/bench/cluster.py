@@ -139,7 +139,7 @@ def run_summary(name: str, calls: Sequence[CallRecord], measured_s: float, *, in
     toks = sum(c.prompt_tokens + c.completion_tokens for c in ok)
     return {"name": name, "instances": instances, "calls": len(calls),
             "errors": sum(1 for c in calls if not c.ok), "measured_calls": len(measured),
-            "hit_rate": s["hit_rate"], "affinity": share, "calls_per_instance": per,
+            "hit_rate": s["hit_rate"], "device_hit_rate": s["device_hit_rate"], "affinity": share, "calls_per_instance": per,
             "load_max_over_mean": imbalance,
             # counted over the instances that answered; with an idle instance the mean is lower
             "idle_instances": max(0, instances - len(per)) if per else instances,
@@ -345,13 +345,13 @@ def render(report: dict[str, Any]) -> None:
 
     con = Console(width=max(Console().width, 170))
     t = Table(title="kvflow bench cluster: 1 instance vs N behind SGLang's gateway (smg)")
-    for col in ("run", "workflows on 1 instance", "hit rate", "vs single", "calls per instance",
+    for col in ("run", "workflows on 1 instance", "hit rate", "vs single", "device hits", "calls per instance",
                 "max/mean load", "calls/s", "vs single", "hints accepted/sent", "errors"):
         t.add_column(col, justify="left" if col in ("run", "calls per instance") else "right")
     for r in report["runs"]:
         per = " ".join(f"{k}:{v}" for k, v in (r["calls_per_instance"] or {}).items())
         t.add_row(r["name"], _pct(r["affinity"]), _pct(r["hit_rate"]), _num(r["hit_rate_vs_single"]),
-                  per, _num(r["load_max_over_mean"]), _num(r["throughput_calls_s"], "{:.1f}"),
+                  _pct(r["device_hit_rate"]), per, _num(r["load_max_over_mean"]), _num(r["throughput_calls_s"], "{:.1f}"),
                   _num(r["throughput_vs_single"]),
                   f"{r['hints_accepted']}/{r['hints_sent']}", str(r["errors"]))
     con.print(t)
