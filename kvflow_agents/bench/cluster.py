@@ -166,6 +166,20 @@ def rolling_hit_rate(calls: Sequence[CallRecord], window: int) -> list[tuple[flo
     return out
 
 
+def recovery(points: Sequence[tuple[float, float]], target: float
+             ) -> tuple[Optional[float], Optional[float]]:
+    """(lowest rolling hit rate, the time from which it stays >= ``target`` to the end of
+    ``points``): the first point after the last one below the target; the first point when none
+    is below; ``None`` when the last point is still below (not recovered in this interval)."""
+    if not points:
+        return None, None
+    dip = min(h for _, h in points)
+    last_below = max((i for i, (_, h) in enumerate(points) if h < target), default=-1)
+    if last_below == len(points) - 1:
+        return dip, None
+    return dip, points[last_below + 1][0]
+
+
 def fault_summary(calls: Sequence[CallRecord], t_kill: float, t_up: float, killed: str,
                   window: int) -> dict[str, Any]:
     measured = [c for c in calls if c.measured]
@@ -174,18 +188,8 @@ def fault_summary(calls: Sequence[CallRecord], t_kill: float, t_up: float, kille
     series = rolling_hit_rate(measured, window)
     target = RECOVERY_FRACTION * base
 
-    def recovery(points: list[tuple[float, float]]) -> tuple[Optional[float], Optional[float]]:
-        """(lowest hit rate, first time it is back at the target after falling below it);
-        the time is the first point when it never fell below."""
-        dip = min((h for _, h in points), default=None)
-        below = False
-        for t, h in points:
-            below = below or h < target
-            if below and h >= target:
-                return dip, t
-        return dip, (points[0][0] if points and not below else None)
-    dip, back_at = recovery([(t, h) for t, h in series if t > t_kill])
-    dip_up, back_up = recovery([(t, h) for t, h in series if t > t_up])
+    dip, back_at = recovery([(t, h) for t, h in series if t_kill < t <= t_up], target)
+    dip_up, back_up = recovery([(t, h) for t, h in series if t > t_up], target)
     failed = [c for c in calls if not c.ok]
     pre: dict[int, set] = defaultdict(set)
     post: dict[int, set] = defaultdict(set)
@@ -200,6 +204,7 @@ def fault_summary(calls: Sequence[CallRecord], t_kill: float, t_up: float, kille
             "workflows_on_killed": len(on_killed), "workflows_moved": len(moved),
             "workflows_moved_back": len(back),
             "hit_rate_before": base, "hit_rate_dip": dip,
+            # stays at >= 90% of before from then until the restart (None: not before it)
             "recovery_s_from_kill": None if back_at is None else back_at - t_kill,
             "hit_rate_dip_after_restart": dip_up,
             "recovery_s_from_restart": None if back_up is None else max(0.0, back_up - t_up),
@@ -361,7 +366,7 @@ def render(report: dict[str, Any]) -> None:
                   f"{f['down_s']:.1f}s (up in {f['restart_s']:.1f}s): {f['failed_requests']} failed requests, "
                   f"{f['workflows_moved']} of {f['workflows_on_killed']} of its workflows moved "
                   f"({f['workflows_moved_back']} moved back), hit rate {_pct(f['hit_rate_before'])} before, "
-                  f"dip {_pct(f['hit_rate_dip'])}, back to 90% of it {_num(f['recovery_s_from_kill'], '{:.1f}s')} "
+                  f"dip {_pct(f['hit_rate_dip'])}, back to 90% of it for good {_num(f['recovery_s_from_kill'], '{:.1f}s')} "
                   f"after the kill; after the restart: dip {_pct(f['hit_rate_dip_after_restart'])}, "
                   f"recovered in {_num(f['recovery_s_from_restart'], '{:.1f}s')} "
                   f"({f['calls_after_restart']} calls after it)")
