@@ -45,8 +45,10 @@ def serve_args(*, model: str, policy: str, device_tokens: int, host_tokens: int,
 class BenchServer:
     health_path = "/health"     # polled until it answers 200
 
-    def __init__(self, args: Sequence[str], *, host: str = "127.0.0.1", timeout_s: float = 300.0) -> None:
+    def __init__(self, args: Sequence[str], *, host: str = "127.0.0.1", timeout_s: float = 300.0,
+                 env: Optional[dict[str, str]] = None) -> None:
         self.args = list(args)
+        self.env = dict(env or {})  # extra environment (e.g. KVFLOW_INSTANCE_ID)
         self.host = host
         self.port = free_port(host)
         self.timeout_s = timeout_s
@@ -77,7 +79,7 @@ class BenchServer:
             return "(no log)"
 
     def child_env(self) -> dict:
-        return {**os.environ, "PYTHONUNBUFFERED": "1"}
+        return {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
 
     def start(self) -> "BenchServer":
         import httpx

@@ -214,9 +214,8 @@ class SGLangServer(BenchServer):
     def __init__(self, args: Sequence[str], *, python: str, env: Optional[dict] = None,
                  launcher: str = "sglang", host: str = "127.0.0.1",
                  timeout_s: float = 300.0) -> None:
-        super().__init__(args, host=host, timeout_s=timeout_s)
+        super().__init__(args, host=host, timeout_s=timeout_s, env=env)
         self.python = python
-        self.env = dict(env or {})
         self.launcher = launcher
 
     @property
@@ -224,9 +223,6 @@ class SGLangServer(BenchServer):
         mod = ("sglang.launch_server" if self.launcher == "sglang"
                else "kvflow_agents.serving.sglang.launch")
         return [self.python, "-m", mod, *self.args, "--host", self.host, "--port", str(self.port)]
-
-    def child_env(self) -> dict:
-        return {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
 
     @classmethod
     def for_policy(cls, launch: SGLangLaunch, policy: str) -> "SGLangServer":
