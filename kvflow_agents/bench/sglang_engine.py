@@ -32,7 +32,9 @@ from .server import BenchServer
 
 POLICIES = ("lru", "hicache", "kvflow")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SHIMS_DIR = REPO_ROOT / "tests" / "sglang" / "support"
+# the checkout's test support (an installed copy of this package, e.g. on a GPU machine, is
+# told where the checkout is with KVFLOW_SGLANG_SHIMS_DIR)
+SHIMS_DIR = Path(os.environ.get("KVFLOW_SGLANG_SHIMS_DIR") or REPO_ROOT / "tests" / "sglang" / "support")
 TOKENIZERS = ("byte-level", "smollm2")
 
 
@@ -228,3 +230,182 @@ class SGLangServer(BenchServer):
     def for_policy(cls, launch: SGLangLaunch, policy: str) -> "SGLangServer":
         return cls(launch.argv(policy), python=launch.python, env=launch.environ(policy),
                    launcher=launch.launcher, timeout_s=launch.startup_timeout_s)
+
+
+# ------------------------------------------------------------------------------ the benchmark
+def model_kv_bytes_per_token(model_path: str) -> int:
+    """K+V bytes one token occupies across all layers (bf16/fp16 KV), from ``config.json``."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv = cfg.get("num_key_value_heads", heads)
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    elem = 4 if dtype == "float32" else 2
+    return cfg["num_hidden_layers"] * 2 * kv * head_dim * elem
+
+
+def bench_model_dir(model: str) -> Path:
+    """The HF folder SGLang serves for a ``--model`` preset of the bench (written once, cached):
+    ``tiny-random`` has the embedded engine's tiny-random shape and byte-level tokenizer, so
+    the workload's token counts are exact."""
+    from kvflow_agents.serving.embedded.model.gguf_loader import cache_dir
+
+    presets = {"tiny-random": TinyLlamaSpec(hidden=256, layers=2, heads=4, kv_heads=2,
+                                            intermediate=512, tokenizer="byte-level")}
+    if model not in presets:
+        raise ValueError(f"--model for the sglang engine: {', '.join(presets)} or --model-path DIR")
+    spec = presets[model]
+    return write_tiny_llama(cache_dir() / "sglang-models" / spec.key(), spec)
+
+
+@dataclass
+class SGLangServerConfig:
+    """A :class:`~kvflow_agents.bench.runner.ServerConfig` for SGLang servers (one per policy):
+    ``oracle`` = stock SGLang with a device pool that holds everything (nothing is ever
+    evicted or loaded), the bound no cache policy can beat on this engine."""
+    launch: SGLangLaunch
+    oracle_tokens: int
+    model: str = ""                            # the served model name (SGLang: the model path)
+    startup_timeout_s: float = 600.0
+    request_extra: Optional[dict] = field(
+        default_factory=lambda: {"return_cached_tokens_details": True})
+
+    def __post_init__(self) -> None:
+        self.model = self.model or self.launch.model_path
+
+    def _launch(self, policy: str) -> tuple[SGLangLaunch, str]:
+        if policy == "oracle":
+            return SGLangLaunch(**{**self.launch.__dict__, "max_total_tokens": self.oracle_tokens}), "lru"
+        return self.launch, policy
+
+    def args(self, policy: str) -> list[str]:
+        launch, pol = self._launch(policy)
+        return launch.argv(pol)
+
+    def make_server(self, policy: str) -> SGLangServer:
+        launch, pol = self._launch(policy)
+        return SGLangServer.for_policy(launch, pol)
+
+    def display_argv(self, policy: str) -> list[str]:
+        launch, pol = self._launch(policy)
+        env = " ".join(f"{k}={v}" for k, v in launch.environ(pol).items()
+                       if k.startswith(("KVFLOW_", "SGLANG_")))
+        mod = "sglang.launch_server" if launch.launcher == "sglang" else "kvflow_agents.serving.sglang.launch"
+        return [env, "python", "-m", mod, *launch.argv(pol)]
+
+
+def plugin_metrics(doc: dict) -> dict:
+    """The plugin's ``/kvflow/v1/cache`` counters under the bench's names (those it has:
+    per-tier hits come from each response's ``sglext.cached_tokens_details`` instead)."""
+    stats = doc.get("stats") or {}
+    ps = int(doc.get("page_size") or 1)
+    return {"prefetch_issued": stats.get("prefetch_issued", 0),
+            "prefetch_pages": stats.get("prefetch_tokens", 0) // ps}
+
+
+def calibrate_link(base_url: str, model: str, *, counter, fixed: int, dynamic: int,
+                   kv_bytes_per_token: int, load_fraction: float = 1 / 3, samples: int = 4,
+                   seed: int = 12345) -> dict:
+    """Link speed at which loading a ``fixed``-token prefix takes ``load_fraction`` x the time
+    SGLang takes to recompute it, measured on a running server (cold vs warm latency of a
+    one-token chat; minimum over ``samples`` pairs: a noisy box only adds time)."""
+    import random
+    import time as _t
+
+    import httpx
+
+    rng = random.Random(seed)
+    cold, warm = [], []
+    with httpx.Client(base_url=base_url.rstrip("/"), timeout=600.0, trust_env=False) as c:
+        def call(msgs):
+            t0 = _t.perf_counter()
+            r = c.post("/chat/completions", json={"model": model, "messages": msgs, "max_tokens": 1,
+                                                  "temperature": 0})
+            r.raise_for_status()
+            return _t.perf_counter() - t0, r.json()["usage"]
+        call([{"role": "user", "content": counter.make_text(32, rng)}])    # warm the kernels
+        reused = []
+        for i in range(samples):
+            system = counter.make_text(fixed, rng, f"[calibration {i}]")
+            msgs = lambda: [{"role": "system", "content": system},  # noqa: E731
+                            {"role": "user", "content": counter.make_text(dynamic, rng)}]
+            c0, _ = call(msgs())
+            w0, u = call(msgs())
+            cold.append(c0)
+            warm.append(w0)
+            reused.append(int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or fixed))
+    recompute = max(min(cold) - min(warm), 1e-6)
+    prefix = sorted(reused)[len(reused) // 2] or fixed
+    gbps = prefix * kv_bytes_per_token / (recompute * load_fraction) / 1e9
+    return {"prefix_tokens": prefix, "kv_bytes_per_token": kv_bytes_per_token,
+            "recompute_s": recompute, "cold_s": min(cold), "warm_s": min(warm),
+            "load_fraction": load_fraction, "link_gbps": gbps, "samples": samples}
+
+
+class SGLangBenchError(RuntimeError):
+    pass
+
+
+def _round_page(n: float, page: int) -> int:
+    return int(-(-int(n) // page) * page)
+
+
+def workflow_server(spec, policies, *, counter, model: str, model_path: Optional[str],
+                    python: Optional[str], device: str, device_tokens: Optional[int],
+                    device_fraction: float, host_tokens: Optional[int], page_size: int,
+                    host_link_gbps: Optional[float], load_fraction: float, lookahead: int,
+                    fixed_total: int, meta: dict, log=print) -> SGLangServerConfig:
+    """The sizes, link and launch of ``kvflow bench workflow --engine sglang`` (the same
+    choices as the embedded engine's: device pool = ``device_fraction`` of the fixed prompts,
+    host pool = twice the working set, link calibrated to ``load_fraction`` x recompute)."""
+    from .workload import request_tokens
+
+    python = python or default_sglang_python()
+    if not python:
+        raise SGLangBenchError("no SGLang environment: pass --sglang-python (on this project's CPU "
+                               "machines: bash serving/sglang/install-cpu.sh .venv-sglang)")
+    if device == "cpu" and not SHIMS_DIR.is_dir():
+        raise SGLangBenchError(f"SGLang on a CPU needs the shims in {SHIMS_DIR} (a checkout of "
+                               f"this repository), or run with --sglang-device cuda on a GPU")
+    try:
+        path = str(model_path) if model_path else str(bench_model_dir(model))
+    except ValueError as e:
+        raise SGLangBenchError(str(e)) from None
+    need = _round_page(request_tokens(spec), page_size) + page_size
+    dev = device_tokens if device_tokens is not None else max(
+        _round_page(device_fraction * fixed_total, page_size), need)
+    if dev < need:
+        raise SGLangBenchError(f"--device-tokens {dev} cannot hold one request (~{need} tokens)")
+    ws = fixed_total + spec.workflows * spec.calls_per_round * (spec.dynamic + spec.output + 32)
+    host = host_tokens if host_tokens is not None else max(8192, _round_page(2 * ws, page_size))
+    launch = SGLangLaunch(model_path=path, python=python, device=device, max_total_tokens=dev,
+                          host_ratio=max(1.0, host / dev), page_size=page_size,
+                          lookahead=lookahead, extra=["--sleep-on-idle"], startup_timeout_s=900.0)
+    config = SGLangServerConfig(launch=launch, oracle_tokens=max(4 * ws, 4 * dev))
+    link = host_link_gbps
+    if link is None and any(p in ("hicache", "kvflow") for p in policies):
+        log(f"calibrating the emulated host link on SGLang ({path}) ...")
+        srv = SGLangServer.for_policy(launch, "lru").start()
+        try:
+            cal = calibrate_link(srv.base_url, config.model, counter=counter, fixed=spec.fixed,
+                                 dynamic=spec.dynamic,
+                                 kv_bytes_per_token=model_kv_bytes_per_token(path),
+                                 load_fraction=load_fraction)
+        finally:
+            srv.stop()
+        meta["calibration"] = cal
+        link = cal["link_gbps"]
+        log(f"recomputing a {cal['prefix_tokens']}-token prefix takes {cal['recompute_s'] * 1e3:.1f} ms "
+            f"on SGLang; KV {cal['kv_bytes_per_token']} B/token -> link {link:.4g} GB/s "
+            f"(load = {load_fraction:.2f} x recompute)")
+    launch.host_link_gbps = link
+    log(f"SGLang: device pool {dev} tokens = {dev / fixed_total:.0%} of the {fixed_total} fixed-prompt "
+        f"tokens; host pool {int(launch.host_ratio * dev)} tokens; host link "
+        + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed")
+        + f"; oracle device pool {config.oracle_tokens} tokens")
+    meta["server"] = {"engine": "sglang", "model": path, "device_tokens": dev,
+                      "host_tokens": int(launch.host_ratio * dev), "page_size": page_size,
+                      "host_link_gbps": link, "lookahead": lookahead, "device": device,
+                      "oracle_device_tokens": config.oracle_tokens,
+                      "device_fraction_of_fixed": dev / fixed_total}
+    return config

@@ -133,6 +133,16 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         raw: bool = typer.Option(False, help="Include every request's record in the JSON."),
         seed: int = typer.Option(0, help="Seed of the generated prompts."),
         progress: bool = typer.Option(True, help="Progress bars."),
+        engine: str = typer.Option("embedded", help="embedded (kvflow serve) or sglang (stock SGLang "
+                                   "0.5.23: lru = radix cache, hicache = + host tier, kvflow = + the "
+                                   "plugin, oracle = a device pool that holds everything)."),
+        model_path: Optional[str] = typer.Option(None, help="sglang engine: a HF model folder "
+                                                 "(default: --model's preset written as one)."),
+        sglang_python: Optional[str] = typer.Option(
+            None, envvar="KVFLOW_SGLANG_PYTHON", help="sglang engine: the SGLang environment's python "
+            "(default: .venv-sglang/bin/python of this checkout)."),
+        sglang_device: str = typer.Option("cpu", help="sglang engine: cpu (under the test shims of "
+                                          "tests/sglang/support) or cuda."),
     ) -> None:
         """The paper's synthetic workflow (fixed/dynamic/output tokens), one server per policy."""
         from rich.console import Console
@@ -152,6 +162,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter("must be > 0", param_hint="--host-link-gbps")
         if not 0 < load_fraction <= 10:
             raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
+        if engine not in ("embedded", "sglang"):
+            raise typer.BadParameter("choose embedded or sglang", param_hint="--engine")
         pols = _policies(policies)
         console = Console(stderr=json_out == "-")
         spec = WorkloadSpec(agents=agents, variant=variant, fixed=fixed, dynamic=dynamic, output=output,
@@ -165,6 +177,19 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         server = None
         if base_url:
             console.print(f"measuring the running server at {base_url} (one column, 'external')")
+        elif engine == "sglang":
+            from kvflow_agents.bench import sglang_engine
+
+            try:
+                server = sglang_engine.workflow_server(
+                    spec, pols, counter=counter, model=model, model_path=model_path,
+                    python=sglang_python, device=sglang_device, device_tokens=device_tokens,
+                    device_fraction=device_fraction, host_tokens=host_tokens, page_size=page_size,
+                    host_link_gbps=host_link_gbps, load_fraction=load_fraction, lookahead=lookahead,
+                    fixed_total=fixed_total, meta=meta, log=lambda m: console.print(escape(m)))
+            except sglang_engine.SGLangBenchError as e:
+                console.print(f"[red]error:[/] {escape(str(e))}")
+                raise typer.Exit(2) from None
         else:
             need = _round_page(request_tokens(spec), page_size) + page_size
             dev = device_tokens if device_tokens is not None else max(
@@ -194,7 +219,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                               "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total}
         meta["command"] = "kvflow bench workflow " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "workflow"] else [])
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
-                 f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}")
+                 f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"
+                 + (" on stock SGLang 0.5.23" if engine == "sglang" else ""))
         _run_and_report(
             lambda hook, log: run_workflow_bench(spec, pols, server, counter=counter, base_url=base_url,
                                                  model=served_model or model, api_key=api_key,

@@ -107,6 +107,10 @@ def handle_control(scheduler, msg: KVFlowControl) -> None:
         snap = cache.kvflow_snapshot() if cache is not None else {
             "engine": "sglang", "policy": None,
             "error": "the tree cache is not KVFlowRadixCache (start with --radix-cache-backend kvflow)"}
+        from . import host_link
+
+        link = host_link.current()
+        snap["host_link"] = link.snapshot() if link is not None else None
         _push_json(msg.reply_to, snap)
 
 
