@@ -1,9 +1,13 @@
-"""Prefetch planner: which host-only fixed prefixes to load, in which order.
+"""Prefetch: which host-only fixed prefixes to load, in which order (:class:`PrefetchPlanner`),
+and the one executor every engine shares (:class:`Prefetcher`).
 
-Engine-agnostic: it sees candidates (an agent's tag, its STE, how many pages are still on host
-only, its workflow's measured step time) and returns an ordered plan. The manager (or an
-adapter for another engine) executes the plan under its own limits: in-flight loads, free device
-space, and the no-thrash rule (never evict a node whose priority is <= the fetched agent's STE).
+The planner is engine-agnostic: it sees candidates (an agent's tag, its STE, how many pages are
+still on host only, its workflow's measured step time) and returns an ordered plan.
+The :class:`Prefetcher` turns the tag book's near, host-only tags into candidates, plans them
+once, and starts each under the shared limits (in-flight prefetches, the device budget beyond
+the pages queued work will need, the no-thrash rule: never evict a node whose priority is <=
+the fetched agent's STE) through a :class:`PrefetchTarget`: our tiered store, or SGLang's tree
+whose ``load_back`` starts the transfer.
 
 Order = urgency, not arrival: ``urgency = transfer time still needed / time left before the
 agent runs`` with ``transfer = pages x seconds-per-page`` and ``time left = STE x step time``
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable, Protocol
 
 INF = math.inf
 
@@ -111,3 +115,131 @@ class PrefetchPlanner:
             p.finish_s = t
             kept_late.append(p)
         return on_time + kept_late
+
+
+# ------------------------------------------------------------------------------ executor
+class PrefetchTarget(Protocol):
+    """What the prefetcher asks of the engine's tree (our store, or the SGLang adapter)."""
+
+    evicts: bool                      # a bounded device pool (else: no budget to check)
+
+    def host_pages(self, node) -> int:
+        """Pages a load must bring for ``node``'s path to be readable; 0: nothing to load now
+        (already on device, loading, or gone)."""
+        ...
+
+    def free_pages(self) -> int: ...
+
+    def evictable_pages(self) -> int: ...
+
+    def evictable_above(self, ste: float) -> int:
+        """Device pages a prefetch for an agent of STE ``ste`` may evict (priority > ste)."""
+        ...
+
+    def start_prefetch(self, candidate: PrefetchCandidate, now: float):
+        """Start loading ``candidate.node``'s host-only path, evicting only priorities >
+        ``candidate.ste``; return the tracker's :class:`~.loads.Load`, or None (no room / no
+        slot: retried at the next plan)."""
+        ...
+
+
+class Prefetcher:
+    """Candidates -> one budget -> planner -> start through the target (module doc).
+
+    ``reserve`` (an int, or a callable evaluated only when a prefetch needs room): device pages
+    queued and admitted work will still allocate. A prefetch of ``k`` pages for STE ``s``
+    starts only if ``k <= free + evictable above s - reserve`` (M5), so the next admission
+    does not evict it unused.
+    """
+
+    def __init__(self, book, loads, metrics, target: PrefetchTarget, *, page_size: int,
+                 max_inflight: int = 4, default_step_s: float = 1.0,
+                 reserve: "int | Callable[[], int]" = 0) -> None:
+        self.book, self.loads, self.metrics, self.target = book, loads, metrics, target
+        self.page_size = page_size
+        self.max_inflight = max_inflight
+        self.default_step_s = default_step_s
+        self.reserve = reserve
+        self.planner = PrefetchPlanner(lookahead=book.lookahead, secs_per_page=loads.secs_per_page)
+        self.pending: set = set()     # planned but not started (retried next time)
+
+    @property
+    def reserved_pages(self) -> int:
+        r = self.reserve
+        v = r() if callable(r) else r
+        return max(0, int(v or 0))
+
+    def room(self, ste: float) -> int:
+        """Device pages a prefetch for an agent of STE ``ste`` may take now."""
+        t = self.target
+        return t.free_pages() + t.evictable_above(ste) - self.reserved_pages
+
+    def candidates(self, now: float) -> list[PrefetchCandidate]:
+        book, loads, target = self.book, self.loads, self.target
+        hints, index, ps = book.hints, book.index, self.page_size
+        estimate = loads.has_recompute_estimate
+        out = []
+        for tag in book.prefetch_candidates():
+            rec = book.records[tag]
+            node = rec.node
+            if node is None:
+                continue
+            pages = target.host_pages(node)
+            if pages <= 0:
+                continue
+            rec_s = (loads.recompute_s(pages * ps, len(rec.tokens) - pages * ps)
+                     if estimate else None)
+            wf = tag[0]
+            out.append(PrefetchCandidate(tag, index.ste(tag), pages,
+                                         hints.step_seconds(wf, self.default_step_s), node,
+                                         hints.step_elapsed(wf, now), rec_s))
+        return out
+
+    def run(self, now: float) -> list:
+        """Plan and start prefetches; returns the tags started."""
+        cands = self.candidates(now)
+        previously = self.pending
+        if not cands and not previously:
+            return []
+        planner, loads, metrics, target, book = (self.planner, self.loads, self.metrics,
+                                                 self.target, self.book)
+        planner.lookahead = book.lookahead
+        planner.secs_per_page = loads.secs_per_page
+        plan = planner.plan(cands, link_busy_s=loads.link_busy_s(now))
+        metrics.prefetch_recompute_skips += len(planner.last_skipped)
+        planned = {p.candidate.tag for p in plan}
+        for tag in previously - planned:
+            node = book.node_of(tag)
+            if node is not None and target.host_pages(node) > 0:
+                metrics.prefetch_stale += 1  # a newer hint made this plan moot
+        started, pending = [], set()
+        reserve: int | None = None   # evaluated lazily: only when a prefetch needs room
+        for p in plan:
+            c = p.candidate
+            k = target.host_pages(c.node)
+            if k <= 0:
+                continue  # covered by a load started for a sibling agent
+            if loads.inflight_prefetch >= self.max_inflight:
+                pending.add(c.tag)
+                continue
+            if target.evicts:
+                free = target.free_pages()
+                if reserve is None:
+                    reserve = self.reserved_pages
+                if free - reserve < k and (free + target.evictable_pages() - reserve < k or
+                                           free + target.evictable_above(c.ste) - reserve < k):
+                    pending.add(c.tag)
+                    metrics.prefetch_budget_skips += 1
+                    continue
+            ld = target.start_prefetch(c, now)
+            if ld is None:
+                pending.add(c.tag)
+                continue
+            started.append(c.tag)
+            loads.note_prefetch(ld)
+        metrics.prefetch_deferred += len(pending - previously)
+        self.pending = pending
+        return started
+
+    def forget(self, tags: Iterable) -> None:
+        self.pending.difference_update(tags)

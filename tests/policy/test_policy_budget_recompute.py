@@ -26,7 +26,7 @@ def host_only(m, tokens, wf, agent):
     """Put an agent's prefix on device, then push it to host."""
     put(m, tokens, wf, agent, len(tokens))
     held = m.allocate(m.device.num_free + m.evictable_device_pages)
-    assert m.residency(m._records[(wf, agent)].node) == "host"
+    assert m.agent_residency(wf, agent) == "host"
     m.free(held)
 
 
@@ -56,16 +56,16 @@ def test_prefetch_does_not_take_room_an_admission_will_reclaim(reserve):
     m.update_hints("w", {"A": 1})
     if reserve == 0:  # the thrash (pre-fix behaviour, still what an engine without reserve gets)
         assert m.metrics.prefetch_issued == 1
-        assert m.residency(m._records[("w", "A")].node) == "device"
+        assert m.agent_residency("w", "A") == "device"
     else:
         assert m.metrics.prefetch_issued == 0 and m.metrics.prefetch_budget_skips >= 1
-        assert m.residency(m._records[("w", "A")].node) == "host"
+        assert m.agent_residency("w", "A") == "host"
         assert m.evictable_device_pages == 4  # nothing was evicted for a prefetch
     pages = m.allocate(4)                          # the waiting request is admitted
     assert pages is not None
     if reserve == 0:
         assert m.metrics.prefetch_wasted == 1 and m.metrics.prefetch_used == 0
-        assert m.residency(m._records[("w", "A")].node) == "host"
+        assert m.agent_residency("w", "A") == "host"
     else:
         assert m.metrics.prefetch_wasted == 0
         # a running request finishes and the queue is empty: now the prefetch fits
@@ -120,14 +120,14 @@ def test_allocation_evicts_larger_priorities_before_an_unused_prefetch():
     log = []
     m.on_evict = lambda n, tier, prio, reason: log.append((tier, prio, reason))
     m.update_hints("w", {"A": 1, "B": 2, "D": 1})
-    assert m.residency(m._records[("w", "A")].node) == "device"
+    assert m.agent_residency("w", "A") == "device"
     assert m.metrics.prefetch_issued == 1
     free = m.device.num_free
     got = m.allocate(free + 9)                     # +inf (3) and B (3) and D (3), not A
     assert got is not None
     assert [p for t, p, _ in log if t == "device"] == [INF, 2, 1]
-    assert m.residency(m._records[("w", "A")].node) == "device"
-    assert m.residency(m._records[("w", "D")].node) == "host"
+    assert m.agent_residency("w", "A") == "device"
+    assert m.agent_residency("w", "D") == "host"
     assert m.metrics.prefetch_wasted == 0
     m.check_invariants()
 

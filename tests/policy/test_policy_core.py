@@ -88,7 +88,7 @@ def test_common_len_matches_brute_force(ps, key, toks):
     want = 0
     while want + ps <= min(len(key), len(toks)) and key[want:want + ps] == toks[want:want + ps]:
         want += ps
-    assert tree._common_len(key, toks, 0) == want
+    assert tree.common_len(key, toks, 0) == want
 
 
 # ---------------------------------------------------------------- priority index
