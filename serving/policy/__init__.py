@@ -19,10 +19,11 @@ simulator and the SGLang plugin:
   legal tier transitions.
 - :class:`PriorityIndex` (``priority.py``): STE tags -> subtree-min node priority, incremental.
   Keyed by node identity plus ``parent_of``, so an adapter can run it on another engine's tree
-  (SGLang's ``UnifiedTreeNode``): call ``set_tag``/``set_ste``/``on_split``/``drop_node`` from
-  that engine's hooks, and give its eviction heap an :class:`EvictionStrategyAdapter`
-  (``get_priority(node)`` = ``policy.eviction_key(index.priority(node), node.last_access_time)``).
-  :class:`PrefetchPlanner` likewise only sees candidates, never a tree.
+  (SGLang's ``UnifiedTreeNode``): the SGLang plugin calls ``on_split``/``drop_node`` from
+  that engine's hooks and orders its eviction heap by
+  ``policy.eviction_key(index.priority(node), node.last_access_time)``. The
+  :class:`TagBook`, :class:`LoadTracker` and :class:`Prefetcher` likewise see another tree
+  only through callables, so the plugin runs them over SGLang's tree.
 - :data:`POLICIES` / :func:`get_policy` (``policies.py``): ``lru``, ``hicache``, ``kvflow``, ``oracle``.
 - :class:`PrefetchPlanner` (``prefetch.py``), :class:`HintRegistry` (``hints.py``),
   :class:`CacheMetrics` (``metrics.py``), :class:`PagePool` (``pages.py``),
@@ -39,7 +40,7 @@ from .store import PrefixMatch, PrefixStatus, TieredStore
 from .tags import AgentPrefix, TagBook
 from .metrics import CacheMetrics
 from .pages import PagePool, PoolError
-from .policies import (POLICIES, CachePolicy, EvictionStrategyAdapter, HiCachePolicy,
+from .policies import (POLICIES, CachePolicy, HiCachePolicy,
                        KVFlowPolicy, LRUPolicy, OraclePolicy, get_policy, register_policy)
 from .prefetch import PlannedLoad, PrefetchCandidate, Prefetcher, PrefetchPlanner, PrefetchTarget
 from .priority import PriorityIndex
@@ -51,7 +52,7 @@ __all__ = [
     "TieredStore", "LoadTracker", "TagBook", "Prefetcher", "PrefetchTarget", "common_prefix_len",
     "KVTransferBackend", "NullTransferBackend",
     "POLICIES", "CachePolicy", "LRUPolicy", "HiCachePolicy", "KVFlowPolicy", "OraclePolicy",
-    "get_policy", "register_policy", "EvictionStrategyAdapter",
+    "get_policy", "register_policy",
     "RadixTree", "TreeNode", "NodeState", "IllegalTransition",
     "PriorityIndex", "PrefetchPlanner", "PrefetchCandidate", "PlannedLoad",
     "HintRegistry", "workflow_key", "as_ste", "CacheMetrics", "PagePool", "PoolError",

@@ -160,8 +160,10 @@ class LoadTracker:
                 self.complete(ld, ld.ready)
                 yield ld
 
-    def complete(self, ld: Load, now: float) -> None:
-        """``ld`` landed at ``now`` (a timed load: at its ready time)."""
+    def complete(self, ld: Load, now: float, *, measured_s: float | None = None) -> None:
+        """``ld`` landed at ``now`` (a timed load: at its ready time). Its link time calibrates
+        ``secs_per_page``; ``measured_s`` overrides it (an engine that times transfers on
+        another clock; 0 = do not calibrate from this one)."""
         if ld.done:
             return
         ld.done = True
@@ -172,9 +174,12 @@ class LoadTracker:
                 self.link_free_at = now  # the estimate was pessimistic: the link is free
         if ld.kind == "prefetch":
             self.inflight_prefetch -= 1
-        dur = ld.ready - ld.link_start
-        if ld.pages and dur > 0:
-            spp = dur / ld.pages
+        self.observe_load(ld.pages, ld.ready - ld.link_start if measured_s is None else measured_s)
+
+    def observe_load(self, pages: int, seconds: float) -> None:
+        """A transfer of ``pages`` took ``seconds`` on the link (``secs_per_page``, EMA)."""
+        if pages and seconds > 0:
+            spp = seconds / pages
             old = self.measured_spp
             self.measured_spp = spp if old is None else 0.7 * old + 0.3 * spp
 

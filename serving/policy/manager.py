@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .backend import KVTransferBackend, NullTransferBackend
+from .hints import workflow_key
 from .inspection import check_invariants, snapshot
 from .loads import Load, LoadTracker
 from .metrics import CacheMetrics
@@ -101,9 +102,11 @@ class KVCacheManager:
                kv_tokens: int | None = None) -> RequestSession:
         """A request arrived: merge its hints (prefetches are planned at the next ``tick``, so
         its own demand load goes on the link first) and open its session."""
+        s = RequestSession(self, tokens, hints, fixed_len=fixed_len, kv_tokens=kv_tokens)
         if hints is not None:
             self.apply_hints(hints, sender=True, plan=False)
-        s = RequestSession(self, tokens, hints, fixed_len=fixed_len, kv_tokens=kv_tokens)
+            s.tag = (workflow_key(hints.workflow, getattr(hints, "app", None)), hints.agent)
+            self.prefetcher.hold(s.tag)  # its own request decides how its prefix comes back
         self._waiting[id(s)] = s
         return s
 
@@ -133,11 +136,13 @@ class KVCacheManager:
                 s.unpin()
 
     def _admitted(self, s: RequestSession) -> None:
-        self._waiting.pop(id(s), None)
+        if self._waiting.pop(id(s), None) is not None and s.tag is not None:
+            self.prefetcher.unhold(s.tag)
         self._running[id(s)] = s
 
     def _finished(self, s: RequestSession) -> None:
-        self._waiting.pop(id(s), None)
+        if self._waiting.pop(id(s), None) is not None and s.tag is not None:
+            self.prefetcher.unhold(s.tag)
         self._running.pop(id(s), None)
 
     def _session_reserve(self) -> int:

@@ -150,6 +150,11 @@ class Prefetcher:
     queued and admitted work will still allocate. A prefetch of ``k`` pages for STE ``s``
     starts only if ``k <= free + evictable above s - reserve`` (M5), so the next admission
     does not evict it unused.
+
+    An agent whose own request is already waiting (``hold(tag)`` until it is admitted or
+    gone) is not prefetched: that request decides, with its demand load or by recomputing
+    when that is cheaper, so the decision does not depend on whether the engine looks at a
+    new request before or after its scheduler step's prefetch.
     """
 
     def __init__(self, book, loads, metrics, target: PrefetchTarget, *, page_size: int,
@@ -162,6 +167,17 @@ class Prefetcher:
         self.reserve = reserve
         self.planner = PrefetchPlanner(lookahead=book.lookahead, secs_per_page=loads.secs_per_page)
         self.pending: set = set()     # planned but not started (retried next time)
+        self._held: dict = {}         # tag -> waiting requests of that agent
+
+    def hold(self, tag) -> None:
+        self._held[tag] = self._held.get(tag, 0) + 1
+
+    def unhold(self, tag) -> None:
+        n = self._held.get(tag, 0) - 1
+        if n > 0:
+            self._held[tag] = n
+        else:
+            self._held.pop(tag, None)
 
     @property
     def reserved_pages(self) -> int:
@@ -178,8 +194,10 @@ class Prefetcher:
         book, loads, target = self.book, self.loads, self.target
         hints, index, ps = book.hints, book.index, self.page_size
         estimate = loads.has_recompute_estimate
-        out = []
+        out, held = [], self._held
         for tag in book.prefetch_candidates():
+            if tag in held:
+                continue  # its own request is waiting: that request decides
             rec = book.records[tag]
             node = rec.node
             if node is None:

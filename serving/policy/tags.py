@@ -252,6 +252,17 @@ class TagBook:
                 rec.node = None
             self.host_tags.discard(tag)
 
+    def rebuild_index(self) -> None:
+        """Start a fresh priority index from the records whose node is still alive (an adapter
+        whose tree hooks fell out of step; never expected)."""
+        old = self.index
+        self.index = PriorityIndex(old._parent_of, on_change=old.on_change)
+        for tag, rec in self.records.items():
+            if rec.node is not None and self.alive(rec.node):
+                self.index.set_tag(tag, rec.node, self.effective_ste(tag))
+            else:
+                rec.node = None
+
     # ------------------------------------------------------------------ app prefixes, caps
     def _remember_app_prefix(self, app: str, agent: str, prefix: tuple) -> None:
         key = (app, agent)

@@ -159,28 +159,6 @@ def test_shared_prefix_takes_min_across_agents_and_workflows():
     assert index.tags_below(shared) == 2
 
 
-def test_eviction_strategy_adapter_orders_a_foreign_tree():
-    import heapq
-
-    from kvflow_agents.serving.policy import EvictionStrategyAdapter
-
-    class Foreign:  # stands in for SGLang's UnifiedTreeNode
-        def __init__(self, parent, t):
-            self.parent, self.last_access_time = parent, t
-
-    root = Foreign(None, 0)
-    a, b, c = Foreign(root, 3), Foreign(root, 1), Foreign(root, 2)
-    index = PriorityIndex(lambda n: n.parent)
-    index.set_tag("A", a, 1)
-    index.set_tag("B", b, 0)
-    strategy = EvictionStrategyAdapter("kvflow", index)
-    heap = [(strategy.get_priority(n), i, n) for i, n in enumerate((a, b, c))]
-    heapq.heapify(heap)
-    assert [heapq.heappop(heap)[2] for _ in range(3)] == [c, a, b]  # +inf, then STE 1, then 0
-    lru = EvictionStrategyAdapter("lru", index)
-    assert sorted((a, b, c), key=lru.get_priority) == [b, c, a]
-
-
 def test_policy_core_imports_only_the_stdlib():
     import ast
     import pathlib
