@@ -200,9 +200,11 @@ class KVCacheManager:
         return self.tags.tag_fixed_prefix(tokens, fixed_len_tokens, workflow, agent, app)
 
     def infer_fixed_prefix(self, workflow: str, agent: str, tokens: Sequence[int], *,
-                           app: str | None = None, tag: bool = True) -> int:
+                           app: str | None = None) -> int:
+        """No declared boundary: record ``tokens`` in the agent's history and tag (after
+        ``insert``) the page-aligned prefix its recent prompts share; returns its length."""
         b = self.tags.infer_boundary(workflow, agent, tokens, app)
-        if tag and b > 0:
+        if b > 0:
             self.tags.tag_fixed_prefix(tokens, b, workflow, agent, app=app)
         return b
 

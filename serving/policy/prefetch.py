@@ -21,9 +21,6 @@ recomputing its host-only pages). A load that cannot finish before its agent run
 from the plan (listed in ``last_skipped``) when the agent would still wait longer for it than
 recomputing takes (``finish - deadline > recompute_s``). Without ``recompute_s``: always loaded.
 
-Budget: ``plan(..., budget_pages=N)`` keeps only loads that fit in ``N`` pages in all (most
-urgent first; those that do not fit go to ``last_skipped`` too), for engines that compute the
-room a prefetch may take (free + evictable-by-larger-priority - pages queued work will need).
 """
 
 from __future__ import annotations
@@ -60,13 +57,13 @@ class PrefetchPlanner:
     def __init__(self, *, lookahead: float = 1, secs_per_page: float = 0.0) -> None:
         self.lookahead = lookahead
         self.secs_per_page = secs_per_page  # 0 = unknown: every load counts as instant
-        self.last_skipped: list[PlannedLoad] = []  # dropped by the last plan() (recompute/budget)
+        self.last_skipped: list[PlannedLoad] = []  # dropped by the last plan(): recompute cheaper
 
     def eligible(self, ste: float) -> bool:
         return ste <= self.lookahead
 
-    def plan(self, candidates: Iterable[PrefetchCandidate], *, link_busy_s: float = 0.0,
-             budget_pages: int | None = None) -> list[PlannedLoad]:
+    def plan(self, candidates: Iterable[PrefetchCandidate], *, link_busy_s: float = 0.0
+             ) -> list[PlannedLoad]:
         """Order candidates by urgency; loads that cannot finish in time go last (or are
         dropped when recomputing is cheaper than waiting for them; see the module doc)."""
         spp = self.secs_per_page
@@ -85,15 +82,6 @@ class PrefetchPlanner:
                 urgency = transfer / deadline
             items.append(PlannedLoad(c, transfer, deadline, urgency, True))
         items.sort(key=lambda p: (-p.urgency, p.candidate.ste, p.candidate.pages))
-        if budget_pages is not None:
-            kept, left = [], budget_pages
-            for p in items:
-                if p.candidate.pages <= left:
-                    left -= p.candidate.pages
-                    kept.append(p)
-                else:
-                    skipped.append(p)
-            items = kept
         on_time, late = [], []
         t = link_busy_s
         for p in items:

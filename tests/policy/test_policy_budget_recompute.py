@@ -237,16 +237,6 @@ def test_planner_drops_late_prefetch_when_recompute_is_cheaper():
     assert len(plan) == 1 and not p.last_skipped
 
 
-def test_planner_budget_keeps_the_most_urgent_that_fit():
-    p = PrefetchPlanner(lookahead=3, secs_per_page=1.0)
-    c = [PrefetchCandidate("a", 1, pages=4, step_s=10.0),    # 0.4
-         PrefetchCandidate("b", 1, pages=3, step_s=10.0),    # 0.3
-         PrefetchCandidate("c", 2, pages=2, step_s=10.0)]    # 0.1
-    plan = p.plan(c, budget_pages=6)
-    assert [x.candidate.tag for x in plan] == ["a", "c"]
-    assert [x.candidate.tag for x in p.last_skipped] == ["b"]
-
-
 def test_manager_skips_a_late_prefetch_when_recompute_is_cheaper():
     m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0,
                      recompute_s_per_token=0.1, default_step_s=1.0)

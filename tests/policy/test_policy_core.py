@@ -91,6 +91,23 @@ def test_common_len_matches_brute_force(ps, key, toks):
     assert tree.common_len(key, toks, 0) == want
 
 
+@settings(max_examples=200, deadline=None)
+@given(step=st.integers(1, 4), a=st.lists(st.integers(0, 2), max_size=24),
+       b=st.lists(st.integers(0, 2), max_size=24), hi=st.none() | st.integers(0, 30))
+def test_common_prefix_len_matches_brute_force(step, a, b, hi):
+    """The one common_prefix_len (tree, boundary inference, tokenizers, SGLang chat hook)."""
+    from kvflow_agents.serving.policy import common_prefix_len
+
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    if hi is not None:
+        n = min(n, hi)
+    want = n // step * step
+    assert common_prefix_len(a, b, hi, step=step) == want
+    assert common_prefix_len(tuple(a), list(b), hi, step=step) == want
+
+
 # ---------------------------------------------------------------- priority index
 class N:
     def __init__(self, parent=None):
