@@ -18,39 +18,27 @@ import sys
 import unittest
 from array import array
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
 pytest.importorskip("sglang.srt")
 
 import torch  # noqa: E402
-import sglang.test.kits.unified_radix_cache.fixtures as fx  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
 
-from kvflow_agents.serving.sglang.cache import KVFlowRadixCache  # noqa: E402
+from sgl_helpers import KVFlowHiCacheSetup  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "policy" / "conformance"))
 from conformance_trace import (DEVICE_PAGES, FIXED, PAGE, compare, hints, observe,  # noqa: E402
                                run_reference, trace)
 
 
-class SGLangConformance(UnifiedRadixCacheFixtures, unittest.TestCase):
+class SGLangConformance(KVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.TestCase):
     cfg = CacheConfig(page_size=PAGE, eviction_policy="kvflow", kv_size=DEVICE_PAGES * PAGE,
                       max_context_len=256, max_num_reqs=32)
-
-    def setUp(self):
-        with mock.patch.object(fx, "UnifiedRadixCache", KVFlowRadixCache):
-            self.cache, self.alloc, self.r2t = fx.build_fixture(self.cfg)
-        self._init_hicache(self.cache)
-
-    def ack_all(self):
-        for ack in list(self.cache.cache_controller.ack_load_queue):
-            ack.finish_event.synchronize()
-        self.cache.loading_check()
 
     def serve(self, r):
         """One request, the way SGLang's scheduler serves it (module doc)."""

@@ -18,29 +18,25 @@ import pytest
 
 pytest.importorskip("sglang.srt")
 
-import sglang.test.kits.unified_radix_cache.fixtures as fx  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InitLoadBackParams,  # noqa: E402
                                                     MatchPrefixParams)
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
-from sgl_helpers import hints, key, run_request  # noqa: E402
+from sgl_helpers import KVFlowHiCacheSetup, hints, key, run_request  # noqa: E402
 
 from kvflow_agents.protocol import Hints  # noqa: E402
-from kvflow_agents.serving.sglang.cache import KVFlowRadixCache  # noqa: E402
 
 
 def seq(base, n):
     return list(range(base, base + n))
 
 
-class CoreAdoptionTest(UnifiedRadixCacheFixtures, unittest.TestCase):
+class CoreAdoptionTest(KVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.TestCase):
     cfg = CacheConfig(page_size=4, eviction_policy="kvflow", kv_size=128, max_context_len=256,
                       max_num_reqs=32)
 
     def setUp(self):
-        with mock.patch.object(fx, "UnifiedRadixCache", KVFlowRadixCache):
-            self.cache, self.alloc, self.r2t = fx.build_fixture(self.cfg)
-        self._init_hicache(self.cache)
+        super().setUp()
         self.clock = [1000.0]
         self.cache._wall_clock = lambda: self.clock[0]
         self.fixed = {"A": seq(1000, 16), "B": seq(2000, 16)}
@@ -52,11 +48,6 @@ class CoreAdoptionTest(UnifiedRadixCacheFixtures, unittest.TestCase):
     def offload_all(self):
         self._backup_tree(self.cache)
         self.cache.evict(EvictParams(num_tokens=self.cache.evictable_size()))
-
-    def ack_all(self):
-        for ack in list(self.cache.cache_controller.ack_load_queue):
-            ack.finish_event.synchronize()
-        self.cache.loading_check()
 
     def test_prefetch_reserve_keeps_room_for_the_waiting_queue(self):
         self.req("A", {"A": 1})
