@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .server import BenchServer
+from kvflow_agents.serve_process import ServeProcess
 
 POLICIES = ("lru", "hicache", "kvflow")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -208,7 +208,7 @@ def _shim_args(device: str) -> list[str]:
             "--hicache-mem-layout", "layer_first"]
 
 
-class SGLangServer(BenchServer):
+class SGLangServer(ServeProcess):
     """One SGLang server process (group). ``args``: SGLang flags; ``env``: added variables."""
 
     health_path = "/health_generate"
@@ -216,15 +216,10 @@ class SGLangServer(BenchServer):
     def __init__(self, args: Sequence[str], *, python: str, env: Optional[dict] = None,
                  launcher: str = "sglang", host: str = "127.0.0.1",
                  timeout_s: float = 300.0) -> None:
-        super().__init__(args, host=host, timeout_s=timeout_s, env=env)
+        mod = "sglang.launch_server" if launcher == "sglang" else "kvflow_agents.serving.sglang.launch"
+        super().__init__(args, host=host, timeout_s=timeout_s, command=[python, "-m", mod], env=env)
         self.python = python
         self.launcher = launcher
-
-    @property
-    def argv(self) -> list[str]:
-        mod = ("sglang.launch_server" if self.launcher == "sglang"
-               else "kvflow_agents.serving.sglang.launch")
-        return [self.python, "-m", mod, *self.args, "--host", self.host, "--port", str(self.port)]
 
     @classmethod
     def for_policy(cls, launch: SGLangLaunch, policy: str) -> "SGLangServer":
