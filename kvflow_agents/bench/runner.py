@@ -84,11 +84,7 @@ async def fetch_cache_metrics(base_url: str, api_key: Optional[str] = None) -> O
             r = await c.get(server_root(base_url) + "/kvflow/v1/cache", headers=headers)
             if r.status_code != 200:
                 return None
-            doc = r.json()
-            m = doc.get("metrics")
-            if m is None and doc.get("engine") == "sglang":  # the SGLang plugin's snapshot
-                from .sglang_engine import plugin_metrics
-                m = plugin_metrics(doc)
+            m = r.json().get("metrics")
             return m if isinstance(m, dict) else None
     except Exception:  # noqa: BLE001
         return None

@@ -289,15 +289,6 @@ class SGLangServerConfig:
         return [env, "python", "-m", mod, *launch.argv(pol)]
 
 
-def plugin_metrics(doc: dict) -> dict:
-    """The plugin's ``/kvflow/v1/cache`` counters under the bench's names (those it has:
-    per-tier hits come from each response's ``sglext.cached_tokens_details`` instead)."""
-    stats = doc.get("stats") or {}
-    ps = int(doc.get("page_size") or 1)
-    return {"prefetch_issued": stats.get("prefetch_issued", 0),
-            "prefetch_pages": stats.get("prefetch_tokens", 0) // ps}
-
-
 def calibrate_link(base_url: str, model: str, *, counter, fixed: int, dynamic: int,
                    kv_bytes_per_token: int, load_fraction: float = 1 / 3, samples: int = 4,
                    seed: int = 12345) -> dict:

@@ -77,10 +77,7 @@ def test_tiny_model_folder_is_a_loadable_llama(tmp_path):
     assert se.write_tiny_llama(d, spec) == d and (d / "model.safetensors").stat().st_mtime_ns == mtime
 
 
-def test_counters_and_per_tier_hits_from_sglang_answers():
-    m = se.plugin_metrics({"engine": "sglang", "page_size": 16,
-                           "stats": {"prefetch_issued": 3, "prefetch_tokens": 96}})
-    assert m == {"prefetch_issued": 3, "prefetch_pages": 6}
+def test_per_tier_hits_from_sglang_answers():
     rec = CallRecord(workflow=0, round=0, agent="a", step=0, measured=True, start=0, ttft_s=0,
                      latency_s=0)
     _sglext_fields(rec, {"sglext": {"cached_tokens_details": {"device": 700, "host": 300}}})
