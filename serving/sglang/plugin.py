@@ -98,8 +98,7 @@ def register() -> None:
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, kvflow_cache_factory)
     HookRegistry.register(hooks.TARGET_ADD, hooks.after_add_request_to_queue, HookType.AFTER)
-    HookRegistry.register(hooks.TARGET_PREFILL, hooks.around_get_new_batch_prefill_raw,
-                          HookType.AROUND)
+    HookRegistry.register(hooks.TARGET_ADMIT, hooks.around_add_one_req, HookType.AROUND)
     HookRegistry.register(hooks.TARGET_INPUT, hooks.around_process_input_requests,
                           HookType.AROUND)
     HookRegistry.register(http_api.TARGET_LAUNCH, http_api.before_launch_server, HookType.BEFORE)

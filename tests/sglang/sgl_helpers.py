@@ -122,3 +122,18 @@ class KVFlowHiCacheSetup:
         for ack in list(self.cache.cache_controller.ack_load_queue):
             ack.finish_event.synchronize()
         self.cache.loading_check()
+
+
+def matched(test, cache, tokens):
+    """A queued request right after SGLang's own match of it (``init_next_round_input`` in the
+    prefill builder): ``last_node``, ``prefix_len``, host hit... set from ``match_prefix`` with
+    the key SGLang builds (EAGLE trees: bigrams)."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    req = test._make_req(test.r2t)
+    req.origin_input_ids = array("q", tokens)
+    m = cache.match_prefix(MatchPrefixParams(
+        key=RadixKey(array("q", tokens), is_bigram=cache.tree_core.is_eagle), req=req))
+    test._apply_match_to_req(req, m)
+    return req

@@ -34,13 +34,12 @@ import pytest
 pytest.importorskip("sglang.srt")
 
 import torch  # noqa: E402
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as fx  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
-from sgl_helpers import (FakeClock, hints, init_hicache_direct, real_copies,  # noqa: E402
-                         run_request)
+from sgl_helpers import (FakeClock, hints, init_hicache_direct, matched,  # noqa: E402
+                         real_copies, run_request)
 
 from kvflow_agents.protocol import Hints  # noqa: E402
 from kvflow_agents.serving.sglang import host_link  # noqa: E402
@@ -51,16 +50,6 @@ GBPS = 1e-6
 
 def seq(base, n):
     return list(range(base, base + n))
-
-
-def matched(test, cache, tokens):
-    """A queued request after SGLang's own match (what the prefill builder does first)."""
-    req = test._make_req(test.r2t)
-    req.origin_input_ids = array("q", tokens)
-    m = cache.match_prefix(MatchPrefixParams(
-        key=RadixKey(array("q", tokens), is_bigram=cache.tree_core.is_eagle), req=req))
-    test._apply_match_to_req(req, m)
-    return req
 
 
 def device_rows_read(cache, req):
@@ -127,7 +116,6 @@ class OverlapRingTest(UnifiedRadixCacheFixtures, unittest.TestCase):
             self.iteration(demand=a)
         self.drain()
 
-    @pytest.mark.xfail(strict=True, reason="bug 1, fixed in phase B")
     def test_proactive_loads_coexist_with_sglangs_ring(self):
         self.build(KVFlowRadixCache)
         self.iteration(prefetch="A", demand="X")
@@ -135,7 +123,7 @@ class OverlapRingTest(UnifiedRadixCacheFixtures, unittest.TestCase):
         self.iteration(prefetch="C", demand="Z")
         self.iteration(demand="W")
         self.drain()
-        self.assertGreaterEqual(self.cache.kv_stats["prefetch_issued"], 3)
+        self.assertGreaterEqual(self.cache.kv_metrics.prefetch_issued, 3)
 
 
 # ------------------------------------------------------------------------------ bug 3
@@ -250,14 +238,12 @@ def two_ranks():
     return events, replies
 
 
-@pytest.mark.xfail(strict=True, reason="bug 3, fixed in phase B")
 def test_only_tp_rank_0_answers_a_snapshot(two_ranks):
     events, replies = two_ranks
     assert sum(e[0] == "answered" for e in events) == 2, events
     assert replies == 1
 
 
-@pytest.mark.xfail(strict=True, reason="bug 3, fixed in phase B")
 def test_one_rank_evicting_alone_does_not_deadlock(two_ranks):
     """Rank 0 evicts, rank 1 (alive, idle) does not: rank 0's eviction must not wait on it."""
     events, _ = two_ranks
@@ -287,7 +273,6 @@ class AdmissionCostTest(UnifiedRadixCacheFixtures, unittest.TestCase):
     N = 2000      # tokens per fixed prefix
     QUEUE = 40
 
-    @pytest.mark.xfail(strict=True, reason="bug 4, fixed in phase B")
     def test_admission_check_cost_does_not_grow_with_prompt_length_or_loads(self):
         with mock.patch.object(fx, "UnifiedRadixCache", KVFlowRadixCache):
             self.cache, self.alloc, self.r2t = fx.build_fixture(self.cfg)
@@ -317,7 +302,6 @@ class EagleKeysTest(UnifiedRadixCacheFixtures, unittest.TestCase):
     cfg = CacheConfig(page_size=1, eviction_policy="kvflow", kv_size=128, max_context_len=256,
                       max_num_reqs=16, is_eagle=True, num_layers=2, head_num=2, head_dim=8)
 
-    @pytest.mark.xfail(strict=True, reason="bug 5, fixed in phase B")
     def test_request_on_a_loading_prefix_is_held_back_with_bigram_keys(self):
         real_copies(self)
         with mock.patch.object(fx, "UnifiedRadixCache", KVFlowRadixCache):

@@ -23,7 +23,6 @@ def _ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-@pytest.mark.xfail(strict=True, reason="bug 2, fixed in phase B")
 def test_retracted_request_does_not_replay_old_hints(retract):
     """Four fan-out agents of step 1 decode; SGLang retracts them and queues them again
     (``SGLANG_TEST_RETRACT``: what running out of KV memory does, on a schedule). Meanwhile

@@ -96,9 +96,18 @@ def cycles(main_servers, model_dir, tokenizer):
         try:
             out[name] = run_cycle(c, tokenizer, f"cycle-{name}", snapshots=name == "kvflow")
             out[name + ":final"] = c.snapshot() if name == "kvflow" else None
+            if name == "stock":   # the kvflow one ends after the hold-back test below
+                end_workflow(c, f"cycle-{name}")
         finally:
             c.close()
     return out
+
+
+def end_workflow(client, workflow: str) -> None:
+    """What ``kvflow.instrument`` sends when a workflow is over: its tags stop protecting."""
+    r = client.post_hints(hints(workflow, AGENTS[-1], {}, step=10**6, app=APP,
+                                fixed_messages=None, event="end"))
+    assert r.status_code in (200, 404), r.text   # stock SGLang + HiCache: the plugin's route
 
 
 def fixed_tokens(tokenizer, agent: str) -> int:
@@ -162,8 +171,10 @@ def test_cache_residency_follows_ste(cycles, tokenizer):
             # the agent about to run (STE 1 in the previous call's hints) is on device or on its way
             assert rows[c.agent]["residency"] in ("device", "loading"), (c.agent, dump(rows))
     assert evictions > 0, "the device pool never overflowed: the test's sizes are wrong"
-    stats = cycles["kvflow:final"]["stats"]
-    assert stats["prefetch_issued"] > 0 and stats["tags"] >= len(AGENTS), stats
+    final = cycles["kvflow:final"]
+    stats, metrics = final["stats"], final["metrics"]
+    assert metrics["prefetch_issued"] > 0 and stats["tags"] >= len(AGENTS), final
+    assert metrics["prefetch_used"] > 0, metrics        # a later request read a prefetch
     assert stats["hint_errors"] == 0, stats
 
 
@@ -180,16 +191,19 @@ def test_request_held_back_while_its_prefix_loads_then_served_from_prefetch(
     assert on_host, dump(rows)
     target = on_host[0]
     step = snap["workflows"][f"{APP}/{wf}"]["step"] + 1
-    before = snap["stats"]
+    before = {**snap["stats"], **snap["metrics"]}
     msgs = cycle_messages(tokenizer, target, 99)
     h = hints(wf, target, {target: 0}, step=step, app=APP)
     resp = kvflow.openai.chat.completions.create(
         model=kvflow.model, messages=msgs, max_tokens=8, temperature=0,
         extra_body={"custom_params": h, "return_cached_tokens_details": True})
-    after = kvflow.snapshot()["stats"]
+    snap2 = kvflow.snapshot()
+    after = {**snap2["stats"], **snap2["metrics"]}
     assert after["prefetch_issued"] > before["prefetch_issued"], (before, after)
     assert after["blocked_polls"] > before["blocked_polls"], (before, after)
     det = resp.model_extra["sglext"]["cached_tokens_details"]
     assert det["host"] == 0 and det["device"] >= fixed_tokens(tokenizer, target), det
     ref = stock.chat(msgs, max_tokens=8)
     assert resp.choices[0].message.content == ref.choices[0].message.content
+    end_workflow(kvflow, wf)
+    assert not agent_rows(kvflow.snapshot(), f"{APP}/{wf}")   # released: nothing tagged

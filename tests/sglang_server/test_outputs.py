@@ -36,16 +36,16 @@ def _push_out_of_device(client, seed: int) -> None:
 
 def test_device_hit_host_load_and_recompute_give_the_same_tokens(stock, kvflow):
     prompt = _ids(7, 900)
-    for client in (stock, kvflow):
+    for name, client in (("stock", stock), ("kvflow", kvflow)):
         cold = client.generate(prompt, max_new_tokens=12)           # computed
         hot = client.generate(prompt, max_new_tokens=12)            # device hit
         _push_out_of_device(client, 1)
         loaded = client.generate(prompt, max_new_tokens=12)         # host load
-        assert cold["meta_info"]["cached_tokens"] == 0, cold["meta_info"]
+        assert cold["meta_info"]["cached_tokens"] == 0, (name, cold["meta_info"])
         dev, host = _tier(hot)
-        assert dev >= len(prompt) - 1 and host == 0, hot["meta_info"]
+        assert dev >= len(prompt) - 1 and host == 0, (name, hot["meta_info"])
         dev, host = _tier(loaded)
-        assert host > 0, loaded["meta_info"]
+        assert host > 0, (name, loaded["meta_info"])
         assert cold["output_ids"] == hot["output_ids"] == loaded["output_ids"]
     # and the two servers agree
     assert stock.generate(prompt, max_new_tokens=12)["output_ids"] == \

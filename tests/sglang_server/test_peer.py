@@ -116,6 +116,6 @@ def test_peer_plugin_tags_agents_and_prefetches(peer_runs, tokenizer):
                 {"role": "user", "content": "x"}]
         assert tokens[agent] == tokenizer.fixed_prefix_tokens(msgs, 1), (agent, tokens)
     final = peer_runs["kvflow:final"]
-    assert final["stats"]["prefetch_issued"] > 0, final["stats"]
+    assert final["metrics"]["prefetch_issued"] > 0, final["metrics"]
     assert final["stats"]["hint_errors"] == 0, final["stats"]
     assert not [a for a in final["agents"] if a["agent"] in AGENTS], dump(final["agents"])
