@@ -58,6 +58,7 @@ def peer_runs(main_servers, model_dir):
         c = Client(main_servers.get(name), model_dir)
         try:
             if name == "kvflow":
+                out["kvflow:before"] = c.snapshot()
                 with SnapshotSampler(c.server.url) as sampler:
                     out[name] = run_peer(c)
                 out["kvflow:samples"] = sampler.snapshots
@@ -115,7 +116,7 @@ def test_peer_plugin_tags_agents_and_prefetches(peer_runs, tokenizer):
         msgs = [{"role": "system", "content": prompts.SYSTEM_PROMPTS[agent]},
                 {"role": "user", "content": "x"}]
         assert tokens[agent] == tokenizer.fixed_prefix_tokens(msgs, 1), (agent, tokens)
-    final = peer_runs["kvflow:final"]
-    assert final["metrics"]["prefetch_issued"] > 0, final["metrics"]
-    assert final["stats"]["hint_errors"] == 0, final["stats"]
+    final, before = peer_runs["kvflow:final"], peer_runs["kvflow:before"]
+    assert final["metrics"]["prefetch_issued"] > before["metrics"]["prefetch_issued"], final["metrics"]
+    assert final["stats"]["hint_errors"] == before["stats"]["hint_errors"], final["stats"]
     assert not [a for a in final["agents"] if a["agent"] in AGENTS], dump(final["agents"])
