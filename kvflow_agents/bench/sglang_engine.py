@@ -31,6 +31,10 @@ from typing import Optional, Sequence
 from kvflow_agents.serve_process import ServeProcess
 
 POLICIES = ("lru", "hicache", "kvflow")
+
+
+class SGLangBenchError(RuntimeError):
+    """A bench with the sglang engine cannot run as asked (the message says why)."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # the checkout's test support (an installed copy of this package, e.g. on a GPU machine, is
 # told where the checkout is with KVFLOW_SGLANG_SHIMS_DIR)
@@ -241,16 +245,34 @@ def model_kv_bytes_per_token(model_path: str) -> int:
 
 def bench_model_dir(model: str) -> Path:
     """The HF folder SGLang serves for a ``--model`` preset of the bench (written once, cached):
-    ``tiny-random`` has the embedded engine's tiny-random shape and byte-level tokenizer, so
-    the workload's token counts are exact."""
+    ``tiny-random`` has the embedded engine's tiny-random shape, ``small-random`` 4 layers of
+    512; both the byte-level tokenizer, so the workload's token counts are exact."""
     from kvflow_agents.serving.embedded.model.gguf_loader import cache_dir
 
     presets = {"tiny-random": TinyLlamaSpec(hidden=256, layers=2, heads=4, kv_heads=2,
-                                            intermediate=512, tokenizer="byte-level")}
+                                            intermediate=512, tokenizer="byte-level"),
+               # enough compute per token that recomputing a prefix costs more than SGLang's
+               # per-request overhead on a CPU (KVFlow's regime); tiny-random is overhead-bound
+               "small-random": TinyLlamaSpec(hidden=512, layers=4, heads=8, kv_heads=4,
+                                             intermediate=1536, tokenizer="byte-level")}
     if model not in presets:
         raise ValueError(f"--model for the sglang engine: {', '.join(presets)} or --model-path DIR")
     spec = presets[model]
     return write_tiny_llama(cache_dir() / "sglang-models" / spec.key(), spec)
+
+
+def bench_counter(model: str, model_path: Optional[str] = None):
+    """The exact token counter for what SGLang will serve: the folder's own tokenizer."""
+    from kvflow_agents.serving.embedded.model.tokenizer import ChatTokenizer
+
+    from .workload import HFTokenizerCounter
+
+    try:
+        path = Path(model_path) if model_path else bench_model_dir(model)
+        tok = ChatTokenizer.from_dir(path)
+    except (ValueError, OSError) as e:
+        raise SGLangBenchError(f"cannot read the tokenizer of the model to serve: {e}") from None
+    return HFTokenizerCounter(tok.encode, lambda ids: tok.decode(ids), name=str(path.name))
 
 
 @dataclass
@@ -290,7 +312,7 @@ class SGLangServerConfig:
 
 
 def calibrate_link(base_url: str, model: str, *, counter, fixed: int, dynamic: int,
-                   kv_bytes_per_token: int, load_fraction: float = 1 / 3, samples: int = 4,
+                   kv_bytes_per_token: int, load_fraction: float = 1 / 3, samples: int = 5,
                    seed: int = 12345) -> dict:
     """Link speed at which loading a ``fixed``-token prefix takes ``load_fraction`` x the time
     SGLang takes to recompute it, measured on a running server (cold vs warm latency of a
@@ -307,7 +329,8 @@ def calibrate_link(base_url: str, model: str, *, counter, fixed: int, dynamic: i
             t0 = _t.perf_counter()
             r = c.post("/chat/completions", json={"model": model, "messages": msgs, "max_tokens": 1,
                                                   "temperature": 0})
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise SGLangBenchError(f"calibration request failed: HTTP {r.status_code}: {r.text[:500]}")
             return _t.perf_counter() - t0, r.json()["usage"]
         call([{"role": "user", "content": counter.make_text(32, rng)}])    # warm the kernels
         reused = []
@@ -320,7 +343,12 @@ def calibrate_link(base_url: str, model: str, *, counter, fixed: int, dynamic: i
             cold.append(c0)
             warm.append(w0)
             reused.append(int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or fixed))
-    recompute = max(min(cold) - min(warm), 1e-6)
+    recompute = min(cold) - min(warm)
+    if recompute < 2e-3:
+        raise SGLangBenchError(
+            f"recomputing a {fixed}-token prefix costs {recompute * 1e3:.1f} ms more than reusing it: "
+            f"below what this box can measure (cold {min(cold) * 1e3:.0f} ms, warm "
+            f"{min(warm) * 1e3:.0f} ms); pass --host-link-gbps, a longer --fixed or a larger model")
     prefix = sorted(reused)[len(reused) // 2] or fixed
     gbps = prefix * kv_bytes_per_token / (recompute * load_fraction) / 1e9
     return {"prefix_tokens": prefix, "kv_bytes_per_token": kv_bytes_per_token,
@@ -328,8 +356,6 @@ def calibrate_link(base_url: str, model: str, *, counter, fixed: int, dynamic: i
             "load_fraction": load_fraction, "link_gbps": gbps, "samples": samples}
 
 
-class SGLangBenchError(RuntimeError):
-    pass
 
 
 def _round_page(n: float, page: int) -> int:

@@ -171,6 +171,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                             share_prompts=share_prompts)
         spec.validate()
         counter = token_counter(model if not base_url else (served_model or model))
+        if engine == "sglang" and not base_url:
+            from kvflow_agents.bench.sglang_engine import SGLangBenchError, bench_counter
+
+            try:
+                counter = bench_counter(model, model_path)
+            except SGLangBenchError as e:
+                raise typer.BadParameter(str(e), param_hint="--model/--model-path") from None
         fixed_total = fixed_prompt_tokens(spec, counter)
         meta: dict = {"bench": "workflow", "workload": spec.as_dict(), "policies_run": pols,
                       "tokenizer": counter.name, "fixed_prompt_tokens_total": fixed_total}

@@ -187,7 +187,7 @@ class KVFlowRadixCache(UnifiedRadixCache):
     # Tunables (class attributes so a launcher / test can set them; plain ints and floats)
     lookahead: float = 1
     lease_s: float = 60.0
-    max_inflight_prefetch: int = 2   # <= SGLang's load-back slots (3); leaves one for demand
+    max_inflight_prefetch: int = 2   # proactive loads in flight (their own ring has one slot more)
     infer_window: int = 3
     default_step_s: float = 1.0
     recompute_s_per_token: Optional[float] = None  # None: measured prefill speed
