@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
@@ -55,6 +56,9 @@ class HintError(ValueError):
         self.reason = message
 
 
+_BAD_ID_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
 def _check_id(key: str, value: Any, *, optional: bool = False) -> Optional[str]:
     if value is None and optional:
         return None
@@ -62,6 +66,8 @@ def _check_id(key: str, value: Any, *, optional: bool = False) -> Optional[str]:
         raise HintError(key, f"must be a non-empty string, got {type(value).__name__}")
     if len(value) > MAX_ID_LEN:
         raise HintError(key, f"longer than {MAX_ID_LEN} characters")
+    if _BAD_ID_CHARS.search(value):  # ids end up in JSON, logs, headers and tables
+        raise HintError(key, "contains a control character or a lone surrogate")
     return value
 
 

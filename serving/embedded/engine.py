@@ -57,7 +57,8 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
-from .engine_config import EngineConfig, EngineInputError, params_from_kwargs, sample_token
+from .engine_config import (EngineConfig, EngineInputError, client_cap_pages, params_from_kwargs,
+                            sample_token)
 from .scheduler import (Completion, Request, RequestState, SamplingParams, Scheduler,
                         StreamEvent)
 
@@ -104,6 +105,14 @@ class Engine:
                                    max_skip_s=cfg.max_skip_s)
         self.page_size = ps
         self.manager.set_reserved_pages(self._reserved_pages)  # prefetch never takes this room
+        self.manager.hints.configure(max_workflows=cfg.max_workflows,
+                                     max_agents_per_workflow=cfg.max_agents_per_workflow,
+                                     max_agents=cfg.max_hint_agents, forget_after_s=cfg.forget_after_s)
+        cap = client_cap_pages(cfg, dev_pages)
+        self._fair_share = cap == "fair"   # device pool / active tenants, once tenants appear
+        self._tenanted = False
+        if isinstance(cap, int):
+            self.manager.set_client_cap(cap)
         self._spt: Optional[float] = None  # measured prefill seconds per token (EMA)
         self._step_s = 0.0                 # measured duration of a busy scheduler step (EMA)
         self._cuda = torch.device(cfg.device).type == "cuda"
@@ -113,7 +122,8 @@ class Engine:
         self._lock = threading.Lock()
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0,
-                         "hints_rejected": 0, "hints_accepted": 0, "steps": 0, "decode_steps": 0}
+                         "hints_rejected": 0, "hints_accepted": 0, "steps": 0, "decode_steps": 0,
+                         "step_failures": 0}
         self._snapshot: dict = {}
         self._published = 0.0
         self.recorder = None
@@ -159,12 +169,23 @@ class Engine:
     def make_request(self, *, messages: Optional[Sequence[dict]] = None, prompt: Optional[str] = None,
                      prompt_ids: Optional[Sequence[int]] = None, params: Optional[SamplingParams] = None,
                      max_tokens: Optional[int] = None, hints: Any = None,
-                     sink: Optional[Callable[[StreamEvent], None]] = None) -> Request:
-        """Tokenize and validate (any thread). Raises :class:`EngineInputError`."""
+                     sink: Optional[Callable[[StreamEvent], None]] = None,
+                     tenant: Optional[str] = None) -> Request:
+        """Tokenize and validate (any thread; the server calls it off its event loop), so a
+        request the engine would fail on is refused here, before it can share a step with
+        others. Raises :class:`EngineInputError`. ``tenant``: whose request it is (the client
+        its hints count against for fair shares)."""
         params = params or SamplingParams()
         if isinstance(hints, dict):  # the wire form (custom_params) is accepted too
             from kvflow_agents.protocol import Hints
             hints = Hints.from_custom_params(hints)
+        try:  # first, so a bad value costs no tokenizing
+            mt0 = params.max_tokens if params.max_tokens is not None else 1
+            dataclasses.replace(params, max_tokens=mt0).validate()
+        except ValueError as e:
+            raise EngineInputError(str(e), str(e).split(":")[0]) from None
+        limit = self.max_prompt_tokens
+        self._check_prompt_chars(messages, prompt, limit)
         fixed_len = None
         if messages is not None:
             try:
@@ -185,11 +206,11 @@ class Engine:
             raise EngineInputError("prompt: empty after tokenization", "prompt")
         n = len(ids)
         cap = self.capacity_tokens
+        if n > limit:
+            raise EngineInputError(f"prompt is {n} tokens; this server holds at most {int(limit)} "
+                                   f"prompt tokens (device pool {cap} tokens, --device-tokens; "
+                                   f"--max-prompt-tokens)", "messages", "context_length_exceeded")
         limit = min(cap if cap is not None else math.inf, self.model_config.max_position)
-        if n >= limit:
-            raise EngineInputError(f"prompt is {n} tokens; this server holds at most {int(limit) - 1} "
-                                   f"prompt tokens (device pool {cap} tokens, --device-tokens)", "messages",
-                                   "context_length_exceeded")
         mt = max_tokens if max_tokens is not None else params.max_tokens
         if mt is None:
             mt = int(min(self.config.default_max_tokens, limit - n))
@@ -202,7 +223,64 @@ class Engine:
             raise EngineInputError(f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the capacity of "
                                    f"{int(limit)} tokens; lower max_tokens or raise --device-tokens",
                                    "max_tokens", "context_length_exceeded")
-        return Request(ids, params, sink or (lambda ev: None), hints=hints, fixed_len=fixed_len)
+        return Request(ids, params, sink or (lambda ev: None), hints=hints, fixed_len=fixed_len,
+                       tenant=tenant)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt accepted: one token short of the device pool / model context
+        (generation needs room), or ``EngineConfig.max_prompt_tokens`` if smaller."""
+        cap = self.capacity_tokens
+        limit = min(cap if cap is not None else math.inf, self.model_config.max_position) - 1
+        if self.config.max_prompt_tokens is not None:
+            limit = min(limit, self.config.max_prompt_tokens)
+        return int(limit)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Prompt text longer than this is over ``max_prompt_tokens`` whatever it says: no token
+        covers more than ``tokenizer.max_token_bytes`` bytes and a character is >= 1 byte."""
+        return self.max_prompt_tokens * self.tokenizer.max_token_bytes
+
+    PROBE_CHARS_PER_TOKEN = 4  # typical text; only decides how much to tokenize for the probe
+
+    def _check_prompt_chars(self, messages, prompt, limit: int) -> None:
+        """Refuse an oversized prompt before tokenizing all of it: by its length alone when no
+        tokenization could fit it, else when a probe of its first ``4 * limit`` characters
+        already holds more than ``limit`` tokens (tokenizing is the costly part, O(text))."""
+        if messages is not None:
+            texts = []
+            for m in messages:
+                c = m.get("content") if isinstance(m, dict) else None
+                if isinstance(c, str):
+                    texts.append(c)
+                elif isinstance(c, list):
+                    texts += [p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        elif isinstance(prompt, str):
+            texts = [prompt]
+        else:
+            return
+        chars = sum(map(len, texts))
+
+        def too_long(what: str) -> EngineInputError:
+            return EngineInputError(f"prompt is {what}; this server holds at most {limit} prompt "
+                                    "tokens (--max-prompt-tokens, --device-tokens)", "messages",
+                                    "context_length_exceeded")
+        if chars > self.max_prompt_chars:
+            raise too_long(f"{chars} characters")
+        window = self.PROBE_CHARS_PER_TOKEN * limit + 16
+        if chars <= window:
+            return
+        tokens = 0
+        for t in texts:
+            piece = t[:window]
+            # a cut can merge differently at the end: count one token less per piece
+            tokens += max(0, len(self.tokenizer.encode(piece)) - 1)
+            if tokens > limit:
+                raise too_long(f"over {limit} tokens in its first {chars if len(piece) == len(t) else window} characters")
+            window -= len(piece)
+            if window <= 0:
+                return
 
     # ================================================================ thread-safe API
     def submit(self, req: Request) -> str:
@@ -214,9 +292,9 @@ class Engine:
     def abort(self, rid: str) -> None:
         self._inbox.put(lambda: self._abort(rid))
 
-    def update_hints(self, hints: Any) -> None:
+    def update_hints(self, hints: Any, tenant: Optional[str] = None) -> None:
         """Out-of-band hints (``kvflow_event`` "transition" or "end"), applied between steps."""
-        self._inbox.put(lambda: self._apply_hints(hints, out_of_band=True))
+        self._inbox.put(lambda: self._apply_hints(hints, out_of_band=True, tenant=tenant))
 
     def note_hints(self, accepted: bool) -> None:
         with self._lock:
@@ -299,20 +377,31 @@ class Engine:
     def _run(self) -> None:
         import torch
 
-        progress = True
+        progress, failed_steps = True, 0
         with torch.inference_mode():
             while not self._stop.is_set():
-                self._drain(0.0 if progress else self._idle_timeout())
-                if self._stop.is_set():
-                    break
                 try:
+                    self._drain(0.0 if progress else self._idle_timeout())
+                    if self._stop.is_set():
+                        break
                     progress = self._step()
-                except Exception:  # keep serving: fail what was running, log the cause
+                    failed_steps = 0
+                except Exception:  # noqa: BLE001 - the engine thread must survive anything
+                    # Failures a request causes are attributed to it inside the step (see
+                    # _fail); one that reaches here is the engine's own. Retry; only when the
+                    # step keeps failing are the running requests failed, so the queue moves.
                     log.exception("engine step failed")
-                    for r in list(self.scheduler.running):
-                        self._finish(r, "error", error="internal engine error")
+                    self.counters["step_failures"] += 1
+                    failed_steps += 1
                     progress = False
-                self._publish(force=not progress)
+                    if failed_steps >= 3:
+                        for r in list(self.scheduler.running):
+                            self._fail(r, "engine step", None)
+                        failed_steps = 0
+                try:
+                    self._publish(force=not progress)
+                except Exception:  # noqa: BLE001 - metrics are diagnostics
+                    log.exception("publishing engine stats failed")
         for r in list(self._requests.values()):
             self._finish(r, "abort", error="engine shut down")
 
@@ -358,12 +447,16 @@ class Engine:
             if i >= sched.max_batch:
                 break
             if not req.prepared:
-                self._prepare(req)  # demand loads go on the link before this step's prefetches
+                # demand loads go on the link before this step's prefetches
+                self._guard(req, "prepare", self._prepare, req)
                 progress = True
         rep = mgr.tick(self.pool.now())  # finish due loads, then plan + start prefetches
         progress |= bool(rep.loads_finished or rep.prefetches_started)
-        for req in sched.admission_plan(self._is_ready):
-            if not self._admit(req):
+        if rep.expired_workflows:
+            self._update_fair_share()
+        for req in sched.admission_plan(self._ready_guarded):
+            admitted = self._guard(req, "admission", self._admit, req)
+            if admitted is False:
                 break
             progress = True
         progress |= self._prefill()
@@ -372,22 +465,72 @@ class Engine:
             progress = True
         return progress
 
+    # -- failure isolation -------------------------------------------------------------------
+    # Invariant: an exception raised while working on one request fails that request only
+    # (its client gets the error, its pages and locks are released); the batch goes on.
+    def _guard(self, req: Request, what: str, fn: Callable, *args) -> Any:
+        """``fn(*args)``; if it raises, fail ``req`` alone and return None."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - attributed to this request
+            self._fail(req, what, e)
+            return None
+
+    def _ready_guarded(self, req: Request) -> bool:
+        return bool(self._guard(req, "readiness check", self._is_ready, req))
+
+    def _fail(self, req: Request, what: str, exc: Optional[BaseException]) -> None:
+        if exc is not None:
+            log.error("%s failed for %s", what, req.rid, exc_info=exc)
+        msg = f"{what} failed for this request" + (f" ({type(exc).__name__})" if exc else "")
+        if req.state is RequestState.FINISHED:
+            return
+        try:
+            self._finish(req, "error", error=msg)
+        except Exception:  # noqa: BLE001 - last resort: forget it, but answer its client
+            log.exception("cleaning up %s failed", req.rid)
+            self.scheduler.remove(req.rid)
+            self._requests.pop(req.rid, None)
+            req.state = RequestState.FINISHED
+            self.counters["finished"] += 1
+            self.counters["errors"] += 1
+            self._send(req, StreamEvent(req.rid, "", (), done=Completion(
+                id=req.rid, text="", token_ids=list(req.output_ids), finish_reason="error",
+                prompt_tokens=len(req.prompt_ids), cached_tokens=0, device_hit_tokens=0,
+                host_hit_tokens=0, computed_tokens=0, error=msg)))
+
     # -- per request ------------------------------------------------------------------------
     def _add(self, req: Request) -> None:
         self._requests[req.rid] = req
         self.scheduler.add(req)  # first, so the prefetch budget reserves its pages
         if req.hints is not None:
-            self._apply_hints(req.hints, out_of_band=False)
+            try:  # hints are advisory: a failure here must not touch the request
+                self._apply_hints(req.hints, out_of_band=False, tenant=req.tenant)
+            except Exception:  # noqa: BLE001
+                log.exception("applying the hints of %s failed", req.rid)
 
-    def _apply_hints(self, h: Any, *, out_of_band: bool) -> None:
+    def _apply_hints(self, h: Any, *, out_of_band: bool, tenant: Optional[str] = None) -> None:
         if out_of_band and getattr(h, "event", None) == "end":
             self.manager.release_workflow(h.workflow, app=h.app)
+            self._update_fair_share()
             return
+        if tenant is not None:
+            self._tenanted = True
         # A request's own hint does not plan prefetches here: the step first queues the
         # request's demand load on the (FIFO) link, then ``tick`` plans the next agents'
         # prefetches behind it; otherwise a request would wait for the prefetch it triggered.
         self.manager.update_hints(h.workflow, dict(h.ste), agent=None if out_of_band else h.agent,
-                                  step=h.step, app=h.app, plan=out_of_band)
+                                  step=h.step, app=h.app, client=tenant, plan=out_of_band)
+        self._update_fair_share()
+
+    def _update_fair_share(self) -> None:
+        """``client_cap="fair"``: each active tenant's hints protect at most device pool / n
+        pages (no cap while there is one), so one tenant's flood of urgent hints cannot evict
+        the others' prefixes. Untenanted use (no API keys) is never capped."""
+        if not (self._fair_share and self._tenanted):
+            return
+        n = self.manager.hints.active_clients()
+        self.manager.set_client_cap(None if n <= 1 else max(1, self.manager.device.capacity // n))
 
     def _prepare(self, req: Request) -> None:
         """First look at the cache: record the hit, pin the matched path, start a host load."""
@@ -466,6 +609,8 @@ class Engine:
         self._relock(req, m.node)
         n = len(req.prompt_ids)
         reuse = min(m.device_len, (n - 1) // ps * ps)  # prefill needs >= 1 new token
+        if self.config.deterministic:  # reuse only whole aligned chunks (see _prefill)
+            reuse = reuse // self.config.deterministic_chunk * self.config.deterministic_chunk
         prefix = list(m.device_pages[:reuse // ps])
         total = max(1, -(-(n + req.params.max_tokens - 1) // ps))
         new = mgr.allocate(total - len(prefix))
@@ -495,33 +640,41 @@ class Engine:
         """Chunked prefill: at most ``max_prefill_tokens`` prompt tokens per step, oldest
         admitted first, so a long prompt does not stall the running decodes for seconds."""
         budget, did = self.config.max_prefill_tokens, False
+        det = self.config.deterministic_chunk if self.config.deterministic else None
         for req in list(self.scheduler.running):
             n = len(req.prompt_ids)
             if req.prefilled >= n:
                 continue
             if budget <= 0:
                 break
-            k = min(n - req.prefilled, budget)
+            if det:
+                # Deterministic: chunks end at multiples of ``det`` in absolute positions, so a
+                # request's prefill never depends on what else shares the step's budget; a chunk
+                # that does not fit waits for the next step (the first always runs).
+                k = min(n - req.prefilled, det - req.prefilled % det)
+                if k > budget and did:
+                    break
+            else:
+                k = min(n - req.prefilled, budget)
             budget -= k
             did = True
-            try:
-                if self._cuda:
-                    self.pool.wait_loads(req.pages)
-                t0 = time.perf_counter()
-                logits = self.model.prefill(self.pool.device_kv, req.prompt_ids[req.prefilled:req.prefilled + k],
-                                            req.pages, req.prefilled)
-                spt = (time.perf_counter() - t0) / k
-                self._spt = spt if self._spt is None else 0.8 * self._spt + 0.2 * spt
-            except Exception as e:
-                log.exception("prefill failed for %s", req.rid)
-                self._finish(req, "error", error=f"prefill failed: {e}")
-                continue
-            req.prefilled += k
-            if req.prefilled == n:
-                self._cache(req, n)
-                self._tag(req)
-                self._emit(req, sample_token(logits, req.params, req.generator))
+            self._guard(req, "prefill", self._prefill_chunk, req, k)
         return did
+
+    def _prefill_chunk(self, req: Request, k: int) -> None:
+        n = len(req.prompt_ids)
+        if self._cuda:
+            self.pool.wait_loads(req.pages)
+        t0 = time.perf_counter()
+        logits = self.model.prefill(self.pool.device_kv, req.prompt_ids[req.prefilled:req.prefilled + k],
+                                    req.pages, req.prefilled)
+        spt = (time.perf_counter() - t0) / k
+        self._spt = spt if self._spt is None else 0.8 * self._spt + 0.2 * spt
+        req.prefilled += k
+        if req.prefilled == n:
+            self._cache(req, n)
+            self._tag(req)
+            self._emit(req, sample_token(logits, req.params, req.generator))
 
     def _release_waiting_locks(self, keep: Request) -> None:
         """Deadlock breaker: nothing runs and memory is short; un-prepare the other waiters."""
@@ -572,10 +725,27 @@ class Engine:
         seqs = [(r.output_ids[-1], r.pages, pos) for r, pos in zip(running, n0)]
         if self._cuda:
             self.pool.wait_loads()
-        logits = self.model.decode_batch(self.pool.device_kv, seqs)
         self.counters["decode_steps"] += 1
-        for i, r in enumerate(running):
-            self._emit(r, sample_token(logits[i], r.params, r.generator))
+        try:
+            logits = self._decode_logits(seqs)
+        except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
+            log.exception("batched decode failed; retrying its %d sequences one by one", len(seqs))
+            logits = []
+            for r, sq in zip(running, seqs):
+                row = self._guard(r, "decode", self._decode_logits, [sq])
+                logits.append(None if row is None else row[0])
+        for r, row in zip(running, logits):
+            if row is not None and r.state is RequestState.RUNNING:
+                self._guard(r, "sampling", self._sample_emit, r, row)
+
+    def _decode_logits(self, seqs: list):
+        """One decode step for ``seqs`` (each writes only its own KV slot, so re-running a
+        subset after a failure is safe). Deterministic mode: batch-invariant kernels."""
+        rows = self.config.max_batch if self.config.deterministic else None
+        return self.model.decode_batch(self.pool.device_kv, seqs, invariant_rows=rows)
+
+    def _sample_emit(self, req: Request, logits) -> None:
+        self._emit(req, sample_token(logits, req.params, req.generator))
 
     def _emit(self, req: Request, tok: int) -> None:
         req.output_ids.append(tok)
@@ -614,6 +784,8 @@ class Engine:
         mgr = self.manager
         if was_running and req.pages:
             written = req.prefilled + max(0, len(req.output_ids) - 1)  # tokens with KV
+            if self.config.deterministic:  # decode-computed KV is not what a prefill would write
+                written = min(written, len(req.prompt_ids))
             if reason != "error":
                 self._cache(req, written)
             own = req.pages[req.own_from:]
@@ -671,4 +843,5 @@ class Engine:
             "device_pages": {"capacity": mgr.device.capacity, "used": mgr.device.num_used},
             "host_pages": {"capacity": mgr.host.capacity, "used": mgr.host.num_used},
             "loads_in_flight": mgr.loads_in_flight, "cache": mgr.metrics.as_dict(),
+            "hints": mgr.hints.stats(), "client_cap_pages": mgr.client_cap_pages,
         }

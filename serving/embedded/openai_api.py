@@ -1,8 +1,11 @@
 """OpenAI request parsing and response shapes for the embedded server (no FastAPI here).
 
-Parsing is strict where a wrong value changes the answer (``n``, ``max_tokens``, ``temperature``,
-``top_p``, ``stop``, ``messages``) and lenient elsewhere: unknown fields are ignored, as OpenAI
-clients send many. Errors raise :class:`APIError`, rendered with OpenAI's error schema
+Parsing is strict where OpenAI's API is: JSON types are checked, not coerced (``"temperature":
+"0"``, ``"stream": "yes"``, ``"max_tokens": 1.5`` or ``true`` are 400, see :data:`FIELD_TYPES`),
+``model`` is required (an unknown one is 404, checked by the server), messages follow their
+role's rules (a ``tool`` message needs ``tool_call_id``, user/system need ``content``, content
+parts are text), values in range. It is lenient where OpenAI is: unknown fields are ignored, as
+OpenAI clients send many. Errors raise :class:`APIError`, rendered with OpenAI's error schema
 ``{"error": {"message", "type", "param", "code"}}``.
 
 Hints (:func:`parse_hints`) never fail a request: a malformed ``custom_params`` comes back as a
@@ -14,7 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvflow_agents.protocol import HEADER_AGENT, HEADER_WORKFLOW, HintError, Hints
 
@@ -32,10 +36,48 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+_INT, _NUM, _BOOL, _STR, _LIST, _OBJ = "integer", "number", "boolean", "string", "array", "object"
+# JSON types OpenAI accepts per request field (null is accepted too: the field is then unset).
+# Checked before pydantic, which would coerce "0" -> 0.0, 1.0 -> 1 and true -> 1.
+FIELD_TYPES: dict[str, tuple[str, ...]] = {
+    "model": (_STR,), "max_tokens": (_INT,), "max_completion_tokens": (_INT,), "n": (_INT,),
+    "temperature": (_NUM,), "top_p": (_NUM,), "seed": (_INT,), "stream": (_BOOL,),
+    "stop": (_STR, _LIST), "stream_options": (_OBJ,), "logprobs": (_BOOL,), "top_logprobs": (_INT,),
+    "presence_penalty": (_NUM,), "frequency_penalty": (_NUM,), "logit_bias": (_OBJ,),
+    "user": (_STR,), "echo": (_BOOL,), "best_of": (_INT,), "suffix": (_STR,),
+    "tools": (_LIST,), "tool_choice": (_STR, _OBJ), "parallel_tool_calls": (_BOOL,),
+    "response_format": (_OBJ,), "metadata": (_OBJ,), "store": (_BOOL,),
+    "messages": (_LIST,), "prompt": (_STR, _LIST), "ignore_eos": (_BOOL,),
+}
+
+
+def json_type(v: Any) -> str:
+    if isinstance(v, bool):
+        return _BOOL
+    if isinstance(v, int):
+        return _INT
+    if isinstance(v, float):
+        return _NUM
+    return {str: _STR, list: _LIST, dict: _OBJ}.get(type(v), type(v).__name__)
+
+
+def check_field_types(body: Mapping[str, Any]) -> None:
+    """400 for a known field of the wrong JSON type (an integer is also a number)."""
+    for key, allowed in FIELD_TYPES.items():
+        v = body.get(key)
+        if v is None:
+            continue
+        t = json_type(v)
+        if t in allowed or (t == _INT and _NUM in allowed):
+            continue
+        raise APIError(400, f"Invalid type for '{key}': expected {' or '.join(allowed)}, got {t}",
+                       param=key, code="invalid_type")
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: Optional[str] = None
+    model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
@@ -56,7 +98,17 @@ class _Common(BaseModel):
                               top_p=1.0 if self.top_p is None else self.top_p, stop=stop,
                               seed=self.seed, ignore_eos=self.ignore_eos)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _json_types(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            check_field_types(data)
+        return data
+
     def check(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true",
+                           param="stream_options")
         if self.n not in (None, 1):
             raise APIError(400, "n: only n=1 is supported", param="n")
         if self.logprobs not in (None, False, 0):
@@ -78,6 +130,29 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Optional[Union[str, list[dict]]] = None
     name: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _role_rules(self) -> "ChatMessage":
+        """OpenAI's per-role rules: a tool result names its call, a user/system/developer
+        message has content, content parts are text (this server's models read text only)."""
+        extra = self.model_extra or {}
+        if self.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+            raise PydanticCustomError("missing_tool_call_id", "a tool message needs a string tool_call_id")
+        if self.role in ("system", "developer", "user", "tool") and self.content is None:
+            raise PydanticCustomError("missing_content", "a {role} message needs content",
+                                      {"role": self.role})
+        if self.role == "assistant" and self.content is None and not (
+                extra.get("tool_calls") or extra.get("function_call")):
+            raise PydanticCustomError("missing_content",
+                                      "an assistant message needs content or tool_calls")
+        if isinstance(self.content, list):
+            for i, part in enumerate(self.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise PydanticCustomError(
+                        "unsupported_content",
+                        "content.{i}: only text parts are supported, got type {t}",
+                        {"i": i, "t": repr(part.get("type"))})
+        return self
 
 
 class ChatRequest(_Common):
@@ -109,6 +184,11 @@ def parse(model: type[BaseModel], body: Any):
                 raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
         if isinstance(p, list) and not p:
             raise APIError(400, "prompt: must not be empty", param="prompt")
+        raw = body.get("prompt")
+        if isinstance(raw, list) and not (all(type(x) is int for x in raw)
+                                          or all(isinstance(x, str) for x in raw)):
+            raise APIError(400, "prompt: a string, a list of strings or a list of token ids",
+                           param="prompt", code="invalid_type")
     return req
 
 
@@ -139,9 +219,9 @@ def parse_hints(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Op
 
 
 def header_safe(reason: str, limit: int = 200) -> str:
-    s = reason.encode("ascii", "backslashreplace").decode("ascii")
-    s = "".join(c if 32 <= ord(c) < 127 else " " for c in s)
-    return s[:limit]
+    """A header value h11 will send: printable ASCII, no surrounding spaces, bounded."""
+    from .limits import header_value
+    return header_value(reason, limit).decode("ascii")
 
 
 # ---------------------------------------------------------------- responses

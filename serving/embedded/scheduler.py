@@ -43,6 +43,9 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings. ``temperature == 0`` means greedy; ``max_tokens=None`` lets the engine
@@ -67,6 +70,9 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {p!r}")
         if len(self.stop) > 16 or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in self.stop):
             raise ValueError("stop: at most 16 non-empty strings of up to 256 characters")
+        sd = self.seed  # torch.Generator.manual_seed takes a 64-bit integer; OpenAI's is int64
+        if sd is not None and (isinstance(sd, bool) or not isinstance(sd, int) or not SEED_MIN <= sd <= SEED_MAX):
+            raise ValueError(f"seed: must be an integer in [{SEED_MIN}, {SEED_MAX}], got {sd!r}")
 
 
 @dataclass
@@ -118,6 +124,7 @@ class Request:
     params: SamplingParams
     sink: Sink
     hints: Any = None                  # kvflow_agents.protocol.Hints or None
+    tenant: Optional[str] = None       # who sent it (the server's tenancy); the hints' client
     fixed_len: Optional[int] = None    # fixed-prefix tokens (from kvflow_fixed_messages)
     rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)

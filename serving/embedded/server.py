@@ -1,6 +1,8 @@
 """The embedded engine's HTTP server: OpenAI-compatible API + KVFlow endpoints (FastAPI).
 
-``create_app(engine, api_key=None)`` returns the ASGI app; ``kvflow serve`` runs it with uvicorn.
+``create_app(engine, api_key=None, *, tenant_header=None, limits=None, model_aliases=())``
+returns the ASGI app; ``kvflow serve`` runs it with uvicorn (``http=guarded_h11_protocol(limits)``
+adds the header timeout).
 
 Endpoints:
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream`` or not), ``GET /v1/models``,
@@ -8,8 +10,8 @@ Endpoints:
   (device or host hit); ``usage.kvflow`` splits them per tier.
 - ``POST /kvflow/v1/hints``: out-of-band hints v1 (flat ``kvflow_*`` dict, optional
   ``kvflow_event``: ``"transition"`` or ``"end"``; "end" releases the workflow).
-- ``GET /kvflow/v1/cache``: per workflow/agent residency, STE/priority, tokens; pool usage
-  (``?format=text`` for a plain table).
+- ``GET /kvflow/v1/cache``: the caller's workflows/agents: residency, STE/priority, tokens; pool
+  usage (``?format=text`` for a plain table).
 - ``GET /metrics``: Prometheus text.
 
 Sampling: ``temperature`` (default 1.0; 0 = greedy), ``top_p``, ``seed``, ``max_tokens`` /
@@ -17,22 +19,29 @@ Sampling: ``temperature`` (default 1.0; 0 = greedy), ``top_p``, ``seed``, ``max_
 refused; other OpenAI fields (tools, response_format, penalties, user, ...) are accepted and ignored.
 
 Invariants:
-- every error is OpenAI-shaped ``{"error": {...}}``; bad JSON / bad params / a prompt over the
-  device pool's capacity are 400;
+- every error is OpenAI-shaped ``{"error": {...}}``: bad JSON / types / params, a prompt over
+  the limits are 400, an unknown model 404, a body over ``--max-body-bytes`` 413, a body too
+  slow 408 (see ``limits.py``); no input makes a 5xx;
+- one request cannot fail another: it is parsed, validated and tokenized (off the event loop, so
+  ``/health`` and other requests go on) before the engine sees it, and a failure inside an engine
+  step fails only the request that caused it (``engine.py``);
 - hints on a request never fail it: malformed ones are ignored, logged, counted and reported in
-  the ``x-kvflow-hints: rejected: <reason>`` response header (``accepted`` when used);
+  the ``x-kvflow-hints: rejected: <reason>`` response header (``accepted`` when used); every
+  response header is legal, so every response is sent;
 - a client that disconnects (stream or not) aborts its request, which frees its KV pages;
-- with ``api_key`` set, every endpoint requires ``Authorization: Bearer <key>`` (or ``x-api-key``).
+- with API keys, every endpoint requires ``Authorization: Bearer <key>`` (or ``x-api-key``), and
+  the key names the tenant: workflows are namespaced per tenant (``tenancy.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import concurrent.futures
+import functools
 import json
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,70 +52,110 @@ from kvflow_agents.protocol import HEADER_REJECTED, HintError, Hints
 
 from . import metrics_prom
 from .engine import Engine, EngineInputError
+from .limits import BodyError, LimitsMiddleware, ServerLimits, parse_json_body
 from .openai_api import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response,
                          completion_chunk, completion_response, finish_reason, header_safe, parse,
                          parse_hints, prompt_kwargs, usage)
+from .tenancy import Tenancy, TenantError, scope_hints
 
 log = logging.getLogger("kvflow.server")
 
+INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
 
-def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
-    def check_key(request: Request) -> None:
-        if not api_key:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key", type="authentication_error",
-                           code="invalid_api_key")
 
-    app = FastAPI(title="kvflow embedded engine", dependencies=[Depends(check_key)],
-                  docs_url=None, redoc_url=None, openapi_url=None)
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: a stray lone surrogate becomes a ``\\udXXX`` escape."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
+def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str] | Tenancy | None" = None,
+               *, tenant_header: Optional[str] = None, limits: Optional[ServerLimits] = None,
+               model_aliases: Iterable[str] = ()) -> FastAPI:
+    """``api_key``: one key, several, ``{tenant: key}``, or a :class:`Tenancy`."""
+    limits = limits or ServerLimits()
+    limits.validate()
+    tenancy = api_key if isinstance(api_key, Tenancy) else Tenancy.from_options(api_key, tenant_header)
+    served_models = {engine.model_name, *model_aliases}
+    # Tokenizing and parsing big bodies run here, not on the event loop; two workers bound the
+    # memory that concurrent huge prompts can take.
+    workers = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvflow-prep")
+
+    def authenticate(request: Request) -> None:
+        try:
+            request.state.tenant = tenancy.authenticate(request.headers)
+        except TenantError as e:
+            if e.status == 401:
+                raise APIError(401, str(e), type="authentication_error", code="invalid_api_key") from None
+            raise APIError(e.status, str(e), param=tenancy.tenant_header) from None
+
+    app = FastAPI(title="kvflow embedded engine", dependencies=[Depends(authenticate)],
+                  docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=SafeJSONResponse)
+    app.add_middleware(LimitsMiddleware, limits=limits)
     app.state.engine = engine
+    app.state.tenancy = tenancy
+    app.state.limits = limits
     registry = metrics_prom.make_registry(engine)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return SafeJSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = APIError(exc.status_code, str(exc.detail),
                        type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
-        return JSONResponse(err.body(), status_code=exc.status_code)
+        return SafeJSONResponse(err.body(), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(APIError(400, str(exc)).body(), status_code=400)
+        return SafeJSONResponse(APIError(400, str(exc)).body(), status_code=400)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s", request.url.path)
-        return JSONResponse(APIError(500, "internal server error", type="server_error").body(),
-                            status_code=500)
+        return SafeJSONResponse(APIError(500, "internal server error", type="server_error").body(),
+                                status_code=500)
 
-    async def read_json(request: Request) -> Any:
+    async def off_loop(fn, *args, **kw):
+        return await asyncio.get_running_loop().run_in_executor(workers, functools.partial(fn, *args, **kw))
+
+    async def read_json(request: Request, skip: Sequence[str] = ()) -> Any:
         raw = await request.body()
         try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise APIError(400, f"invalid JSON body: {e}") from None
+            if len(raw) > INLINE_PARSE_BYTES:
+                return await off_loop(parse_json_body, raw, max_depth=limits.max_json_depth, skip=skip)
+            return parse_json_body(raw, max_depth=limits.max_json_depth, skip=skip)
+        except BodyError as e:
+            raise APIError(e.status, str(e), param=e.param) from None
+
+    def tenant_of(request: Request) -> Optional[str]:
+        return getattr(request.state, "tenant", None)
+
+    def check_model(req) -> None:
+        if req.model not in served_models:
+            raise APIError(404, f"The model `{req.model}` does not exist (this server serves "
+                           f"{', '.join(sorted(served_models))})", param="model", code="model_not_found")
 
     def hint_headers(body: dict, request: Request):
         hints, reason = parse_hints(body, request.headers)
         headers = {}
         if reason is not None:
-            log.warning("ignoring malformed kvflow hints: %s", reason)
+            log.warning("ignoring malformed kvflow hints: %s", header_safe(reason))
             engine.note_hints(False)
             headers[HEADER_REJECTED] = "rejected: " + header_safe(reason)
         elif hints is not None:
             engine.note_hints(True)
             headers[HEADER_REJECTED] = "accepted"
-        return hints, headers
+        return scope_hints(hints, tenant_of(request)), headers
 
-    def build(req, kw: dict, hints):
+    async def build(req, kw: dict, hints, request: Request):
         try:
-            return engine.make_request(**kw, params=req.sampling(), hints=hints)
+            return await off_loop(engine.make_request, **kw, params=req.sampling(), hints=hints,
+                                  tenant=tenant_of(request))
         except EngineInputError as e:
             raise APIError(400, str(e), param=e.param, code=e.code) from None
 
@@ -122,7 +171,7 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
         if comp.finish_reason == "error":
             raise APIError(500, comp.error or "generation failed", type="server_error")
         body = chat_response(comp, model) if chat else completion_response(comp, model)
-        return JSONResponse(body, headers=headers)
+        return SafeJSONResponse(body, headers=headers)
 
     async def collect(ereq, request: Request):
         async def last():
@@ -143,50 +192,55 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
         rid = ereq.rid
 
         def line(obj) -> str:
-            return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
-        if chat:
-            yield line(chat_chunk(rid, model, created, delta={"role": "assistant", "content": ""}))
-        async for ev in engine.stream(ereq):
-            if ev.text:
-                yield line(chat_chunk(rid, model, created, delta={"content": ev.text}) if chat
-                           else completion_chunk(rid, model, created, text=ev.text))
-            c = ev.done
-            if c is None:
-                continue
-            if c.finish_reason == "error":
-                yield line(APIError(500, c.error or "generation failed", type="server_error").body())
-                break
-            fr = finish_reason(c)
-            yield line(chat_chunk(rid, model, created, delta={}, finish=fr) if chat
-                       else completion_chunk(rid, model, created, text="", finish=fr))
-            if include_usage:
-                yield line(chat_chunk(rid, model, created, delta={}, use=usage(c)) if chat
-                           else completion_chunk(rid, model, created, text="", use=usage(c)))
+            return "data: " + json.dumps(obj, ensure_ascii=True) + "\n\n"
+        try:
+            if chat:
+                yield line(chat_chunk(rid, model, created, delta={"role": "assistant", "content": ""}))
+            async for ev in engine.stream(ereq):
+                if ev.text:
+                    yield line(chat_chunk(rid, model, created, delta={"content": ev.text}) if chat
+                               else completion_chunk(rid, model, created, text=ev.text))
+                c = ev.done
+                if c is None:
+                    continue
+                if c.finish_reason == "error":
+                    yield line(APIError(500, c.error or "generation failed", type="server_error").body())
+                    break
+                fr = finish_reason(c)
+                yield line(chat_chunk(rid, model, created, delta={}, finish=fr) if chat
+                           else completion_chunk(rid, model, created, text="", finish=fr))
+                if include_usage:
+                    yield line(chat_chunk(rid, model, created, delta={}, use=usage(c)) if chat
+                               else completion_chunk(rid, model, created, text="", use=usage(c)))
+        except Exception:  # noqa: BLE001 - the stream has started: end it with an error event
+            log.exception("stream %s failed", rid)
+            yield line(APIError(500, "internal server error", type="server_error").body())
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ OpenAI API
+    async def completion(request: Request, model_cls, chat: bool) -> Response:
+        body = await read_json(request, skip=("custom_params",))
+        req = parse(model_cls, body)
+        check_model(req)
+        hints, headers = hint_headers(body, request)
+        kw = {"messages": req.message_dicts()} if chat else prompt_kwargs(req)
+        ereq = await build(req, kw, hints, request)
+        return await run(ereq, request, chat=chat, stream=bool(req.stream),
+                         include_usage=req.include_usage, headers=headers)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await read_json(request)
-        req: ChatRequest = parse(ChatRequest, body)
-        hints, headers = hint_headers(body, request)
-        ereq = build(req, {"messages": req.message_dicts()}, hints)
-        return await run(ereq, request, chat=True, stream=bool(req.stream),
-                         include_usage=req.include_usage, headers=headers)
+        return await completion(request, ChatRequest, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await read_json(request)
-        req: CompletionRequest = parse(CompletionRequest, body)
-        hints, headers = hint_headers(body, request)
-        ereq = build(req, prompt_kwargs(req), hints)
-        return await run(ereq, request, chat=False, stream=bool(req.stream),
-                         include_usage=req.include_usage, headers=headers)
+        return await completion(request, CompletionRequest, chat=False)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model",
-                                            "created": 0, "owned_by": "kvflow-agents"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                            "owned_by": "kvflow-agents"} for name in
+                                           [engine.model_name, *sorted(served_models - {engine.model_name})]]}
 
     @app.get("/health")
     async def health() -> dict:
@@ -197,33 +251,43 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
     # ------------------------------------------------------------------ KVFlow
     @app.post("/kvflow/v1/hints")
     async def post_hints(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_json(request, skip=tuple(body_keys_of_hints()))
         try:
             hints = Hints.from_custom_params(body) if isinstance(body, dict) else None
             if hints is None:
                 raise HintError("body", "expected a JSON object with kvflow_* keys")
         except (HintError, ValueError, TypeError) as e:
             reason = f"{e.key}: {e.reason}" if isinstance(e, HintError) else f"body: {type(e).__name__}"
-            log.warning("rejected out-of-band hints: %s", reason)
+            log.warning("rejected out-of-band hints: %s", header_safe(reason))
             engine.note_hints(False)
             err = APIError(400, f"malformed hints: {reason}", param=getattr(e, "key", None))
-            return JSONResponse(err.body(), status_code=400,
-                                headers={HEADER_REJECTED: "rejected: " + header_safe(reason)})
+            return SafeJSONResponse(err.body(), status_code=400,
+                                    headers={HEADER_REJECTED: "rejected: " + header_safe(reason)})
         engine.note_hints(True)
-        engine.update_hints(hints)
-        return JSONResponse({"status": "ok", "workflow": hints.workflow, "agent": hints.agent,
-                             "event": hints.event or "transition"}, headers={HEADER_REJECTED: "accepted"})
+        tenant = tenant_of(request)
+        engine.update_hints(scope_hints(hints, tenant), tenant=tenant)
+        return SafeJSONResponse({"status": "ok", "workflow": hints.workflow, "agent": hints.agent,
+                                 "event": hints.event or "transition"},
+                                headers={HEADER_REJECTED: "accepted"})
 
     @app.get("/kvflow/v1/cache")
-    async def cache(format: str = "json") -> Response:
+    async def cache(request: Request, format: str = "json") -> Response:
         from .cache_view import cache_report, render_text
-        report = await asyncio.wait_for(engine.acall(cache_report), timeout=60)
+        tenant = tenant_of(request)
+        report = await asyncio.wait_for(engine.acall(lambda e: cache_report(e, tenant=tenant)), timeout=60)
         if format == "text":
-            return Response(render_text(report), media_type="text/plain")
-        return JSONResponse(report)
+            return Response(render_text(report).encode("utf-8", "backslashreplace"),
+                            media_type="text/plain; charset=utf-8")
+        return SafeJSONResponse(report)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(metrics_prom.render(registry), media_type=metrics_prom.CONTENT_TYPE)
 
     return app
+
+
+def body_keys_of_hints() -> Iterable[str]:
+    """On ``/kvflow/v1/hints`` the whole body is hints: their parser validates every id."""
+    from kvflow_agents.protocol import HintsWire
+    return HintsWire.model_fields.keys()

@@ -1,17 +1,31 @@
-"""Hint registry: per (workflow, agent) STE from hints v1, with leases and step-time measurement.
+"""Hint registry: per (workflow, agent) STE from hints v1, with leases, bounds and step timing.
 
 - A workflow's hints hold for ``lease_s`` seconds after its last hint; after that every agent of
   it counts as STE = +inf (a vanished client pins nothing). A new hint revives it.
+- An expired workflow is *removed* ``forget_after_s`` later (default: one more lease): its key
+  goes on the removed list, which the owner (:class:`~.manager.KVCacheManager`) drains with
+  :meth:`HintRegistry.drain_removed` to drop the workflow's tags. So memory follows the live
+  workflows, not every workflow ever seen.
+- Bounded: at most ``max_workflows`` workflows and ``max_agents`` agents in all; a new one beyond
+  that removes the oldest quiet workflow first (expired before live, least recently hinted
+  first), never the one being updated. A workflow holds at most ``max_agents_per_workflow``
+  agents: beyond it the agents absent from the current hint go, unreachable ones (+inf) and then
+  the farthest first; they come back as changed to +inf.
 - ``None`` / null in a hint means "unreachable": +inf.
 - Updates merge: agents missing from a hint keep their last value (out-of-band transitions may
   carry a subset).
 - Step time: when a workflow's ``step`` advances, the elapsed time per step feeds an EMA; the
   prefetch planner turns STE into seconds with it.
+- Clients (tenants) are counted over live workflows (:meth:`active_clients`), for fair shares.
+
+Cost: every operation is O(agents in the hint) or amortised O(1) per workflow; :meth:`expire`
+walks only the workflows that expire or are forgotten (two queues ordered by time).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 INF = math.inf
@@ -40,41 +54,109 @@ class WorkflowHints:
     ste: dict[str, float] = field(default_factory=dict)
     last_hint: float = 0.0
     expired: bool = False
+    expired_at: float | None = None
     step: int | None = None
     step_at: float | None = None
     step_s: float | None = None       # EMA of seconds per step, None until measured
 
 
 class HintRegistry:
-    """STE per (workflow, agent) with leases; who is a client (for per-client caps)."""
+    """STE per (workflow, agent) with leases and bounds; who is a client (for per-client caps)."""
 
-    def __init__(self, *, lease_s: float = 60.0, step_ema: float = 0.3) -> None:
+    def __init__(self, *, lease_s: float = 60.0, step_ema: float = 0.3,
+                 forget_after_s: float | None = None, max_workflows: int = 10_000,
+                 max_agents_per_workflow: int = 1024, max_agents: int = 262_144) -> None:
         self.lease_s = lease_s
         self.step_ema = step_ema
+        self.forget_after_s = forget_after_s
+        self.max_workflows = max_workflows
+        self.max_agents_per_workflow = max_agents_per_workflow
+        self.max_agents = max_agents
         self.workflows: dict[str, WorkflowHints] = {}
+        # Invariant: every workflow is in exactly one of these, each ordered by time
+        # (last hint / expiry), so the oldest quiet one is first.
+        self._live: dict[str, None] = {}
+        self._expired: dict[str, None] = {}
+        self._removed: list[str] = []
+        self._client_live: Counter = Counter()
+        self.num_agents = 0
+        self.counters = {"evicted": 0, "forgotten": 0, "released": 0, "agents_dropped": 0}
 
+    def configure(self, **limits) -> None:
+        """Set ``lease_s``, ``forget_after_s``, ``max_workflows``, ``max_agents_per_workflow``
+        or ``max_agents`` (the engine does, from its config)."""
+        for k, v in limits.items():
+            if k not in ("lease_s", "forget_after_s", "max_workflows", "max_agents_per_workflow",
+                         "max_agents"):
+                raise TypeError(f"unknown registry limit {k!r}")
+            if v is not None and k != "lease_s" and k != "forget_after_s" and v < 1:
+                raise ValueError(f"{k} must be >= 1")
+            setattr(self, k, v)
+
+    # ---------------------------------------------------------------- updates
     def update(self, wf: str, ste: dict, *, now: float, step: int | None = None,
                client: str | None = None) -> tuple[dict[str, float], bool]:
         """Merge a hint. Returns ({agent: new raw STE} for agents whose value changed,
         whether the workflow was expired before (then every agent's effective value changed))."""
         w = self.workflows.get(wf)
         if w is None:
+            self._make_room(wf)
             w = self.workflows[wf] = WorkflowHints(wf, client or wf, last_hint=now)
+            self._client_live[w.client] += 1
+        elif w.expired:
+            self._expired.pop(wf, None)
+            self._client_live[client or w.client] += 1
+        else:
+            self._live.pop(wf, None)
+            if client and client != w.client:
+                self._uncount(w.client)
+                self._client_live[client] += 1
+        self._live[wf] = None
         revived = w.expired
-        w.expired = False
+        w.expired, w.expired_at = False, None
         w.last_hint = now
         if client:
             w.client = client
         changed = {}
         cur = w.ste
+        before = len(cur)
         for agent, value in ste.items():
             v = value if type(value) is int and value >= 0 else as_ste(value)
             if cur.get(agent, INF) != v or agent not in cur:
                 changed[agent] = v
             cur[agent] = v
+        self.num_agents += len(cur) - before
+        if len(cur) > self.max_agents_per_workflow:
+            for agent in self._trim_agents(w, ste):
+                changed[agent] = INF
         if step is not None:
             self._observe_step(w, int(step), now)
+        if self.num_agents > self.max_agents:
+            self._make_room(wf, agents_only=True)
         return changed, revived
+
+    def _trim_agents(self, w: WorkflowHints, keep) -> list[str]:
+        """Drop agents beyond the per-workflow cap (not those in ``keep``): +inf, then farthest."""
+        over = len(w.ste) - self.max_agents_per_workflow
+        victims = sorted((a for a in w.ste if a not in keep), key=lambda a: -w.ste[a])[:over]
+        for a in victims:
+            del w.ste[a]
+        self.num_agents -= len(victims)
+        self.counters["agents_dropped"] += len(victims)
+        return victims
+
+    def _make_room(self, keep: str, agents_only: bool = False) -> None:
+        """Remove the oldest quiet workflows (expired first, then least recently hinted) until a
+        new workflow fits and the agent budget holds; never ``keep``."""
+        def over() -> bool:
+            return (self.num_agents > self.max_agents
+                    or (not agents_only and len(self.workflows) >= self.max_workflows))
+        while over():
+            victim = next((k for q in (self._expired, self._live) for k in q if k != keep), None)
+            if victim is None:
+                return
+            self._remove(victim)
+            self.counters["evicted"] += 1
 
     def _observe_step(self, w: WorkflowHints, step: int, now: float) -> None:
         if w.step is not None and step > w.step and w.step_at is not None and now > w.step_at:
@@ -83,6 +165,7 @@ class HintRegistry:
         if w.step is None or step != w.step:
             w.step, w.step_at = step, now
 
+    # ---------------------------------------------------------------- reads
     def ste(self, wf: str, agent: str) -> float:
         """Effective STE (inf if unknown or the lease expired at the last :meth:`expire`)."""
         w = self.workflows.get(wf)
@@ -105,14 +188,66 @@ class HintRegistry:
         w = self.workflows.get(wf)
         return w.client if w is not None else wf
 
+    def active_clients(self) -> int:
+        """Distinct clients with at least one live (not expired) workflow."""
+        return len(self._client_live)
+
+    def stats(self) -> dict:
+        return {"workflows": len(self.workflows), "live": len(self._live),
+                "expired": len(self._expired), "agents": self.num_agents,
+                "clients": len(self._client_live), **self.counters}
+
+    # ---------------------------------------------------------------- time and removal
     def expire(self, now: float) -> list[str]:
-        """Mark workflows quiet for longer than the lease as expired; return the newly expired."""
+        """Mark workflows quiet for longer than the lease as expired; return the newly expired.
+        Workflows expired for longer than ``forget_after_s`` are removed (see
+        :meth:`drain_removed`)."""
         out = []
-        for w in self.workflows.values():
-            if not w.expired and now - w.last_hint > self.lease_s:
-                w.expired = True
-                out.append(w.key)
+        while self._live:
+            wf = next(iter(self._live))
+            w = self.workflows[wf]
+            if now - w.last_hint <= self.lease_s:
+                break  # ordered by last hint: the rest are newer
+            del self._live[wf]
+            self._uncount(w.client)
+            w.expired, w.expired_at = True, now
+            self._expired[wf] = None
+            out.append(wf)
+        grace = self.lease_s if self.forget_after_s is None else self.forget_after_s
+        while self._expired:
+            wf = next(iter(self._expired))
+            w = self.workflows[wf]
+            if now - (w.expired_at if w.expired_at is not None else now) <= grace:
+                break
+            self._remove(wf)
+            self.counters["forgotten"] += 1
         return out
 
     def release(self, wf: str) -> WorkflowHints | None:
-        return self.workflows.pop(wf, None)
+        """The workflow ended: forget it now (the caller drops its tags itself)."""
+        w = self.workflows.get(wf)
+        if w is None:
+            return None
+        self._remove(wf, report=False)
+        self.counters["released"] += 1
+        return w
+
+    def drain_removed(self) -> list[str]:
+        """Keys removed by expiry or by the bounds since the last call (their tags must go)."""
+        out, self._removed = self._removed, []
+        return out
+
+    def _remove(self, wf: str, report: bool = True) -> None:
+        w = self.workflows.pop(wf)
+        if wf in self._live:
+            del self._live[wf]
+            self._uncount(w.client)
+        self._expired.pop(wf, None)
+        self.num_agents -= len(w.ste)
+        if report:
+            self._removed.append(wf)
+
+    def _uncount(self, client: str) -> None:
+        self._client_live[client] -= 1
+        if self._client_live[client] <= 0:
+            del self._client_live[client]

@@ -662,6 +662,19 @@ class KVCacheManager:
         else:
             self._near.discard(tag)
 
+    def set_client_cap(self, pages: int | None) -> None:
+        """Change ``client_cap_pages`` (None: no cap) and re-apply it to every client."""
+        if pages == self.client_cap_pages:
+            return
+        self.client_cap_pages = pages
+        if pages is None:
+            for tag in list(self._demoted):
+                self._demoted.discard(tag)
+                self._refresh_tag(tag)
+            return
+        for client in {w.client for w in self.hints.workflows.values()}:
+            self._apply_client_cap(client)
+
     def _apply_client_cap(self, client: str) -> None:
         """Fairness: a client's tags protect at most ``client_cap_pages`` pages; the least
         urgent tags beyond the cap count as +inf."""
@@ -696,6 +709,8 @@ class KVCacheManager:
         for wf in expired:
             for tag in self._wf_tags.get(wf, ()):
                 self._refresh_tag(tag)
+        for wf in self.hints.drain_removed():  # forgotten or over the registry's bounds
+            self.release_workflow(wf)
         report.expired_workflows = expired
         if self.policy.prefetch:
             report.prefetches_started = self._prefetch(now)

@@ -334,6 +334,8 @@ class KVFlowRadixCache(UnifiedRadixCache):
             for tag in self._wf_tags.get(wf, ()):
                 if tag in self.kv_index:
                     self.kv_index.set_ste(tag, INF)
+        for wf in self.kv_hints.drain_removed():  # forgotten or over the registry's bounds
+            self.kvflow_release_workflow(wf)
         return expired
 
     # ------------------------------------------------------------------ tagging

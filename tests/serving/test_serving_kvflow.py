@@ -95,7 +95,7 @@ def test_status_aware_scheduling_runs_ready_requests_while_a_prefix_loads(serve,
         t0 = time.monotonic()
         other = srv.client()
         call("other", lambda: other.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "a ready request"}], max_tokens=3,
+            model="tiny-random", messages=[{"role": "user", "content": "a ready request"}], max_tokens=3,
             extra_body={"ignore_eos": True}))
         tc.join(15)
         assert done[slow] - t0 > 0.5                    # the load really took the link time
@@ -133,7 +133,7 @@ def test_fixed_prefix_inferred_without_fixed_messages(serve):
         c = srv.client()
         for i in range(2):
             c.chat.completions.create(
-                model="m", max_tokens=2, messages=[{"role": "system", "content": system_prompt("A")},
+                model="tiny-random", max_tokens=2, messages=[{"role": "system", "content": system_prompt("A")},
                                                    {"role": "user", "content": f"question number {i}"}],
                 extra_body={"custom_params": {"kvflow_v": 1, "kvflow_workflow": "inf", "kvflow_agent": "A",
                                               "kvflow_ste": {"A": 0}}})
@@ -161,7 +161,7 @@ def test_malformed_hints_never_fail_a_request(serve):
         @given(params=_params)
         def check(params):
             raw = c.chat.completions.with_raw_response.create(
-                model="m", messages=[{"role": "user", "content": "fuzz"}], max_tokens=1,
+                model="tiny-random", messages=[{"role": "user", "content": "fuzz"}], max_tokens=1,
                 extra_body={"custom_params": params})
             assert raw.http_response.status_code == 200
             assert raw.parse().usage.completion_tokens == 1
@@ -181,7 +181,7 @@ def test_hints_from_headers_only(serve):
         c = srv.client()
         for i in range(2):
             raw = c.chat.completions.with_raw_response.create(
-                model="m", max_tokens=1, messages=[{"role": "system", "content": system_prompt("B")},
+                model="tiny-random", max_tokens=1, messages=[{"role": "system", "content": system_prompt("B")},
                                                    {"role": "user", "content": f"{i}"}],
                 extra_headers={"X-KVFlow-Workflow": "hdr", "X-KVFlow-Agent": "B"})
             assert raw.headers["x-kvflow-hints"] == "accepted"

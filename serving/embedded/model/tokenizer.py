@@ -63,6 +63,7 @@ class ChatTokenizer:
         ids = {tokenizer.token_to_id(t) for t in self.eos_tokens} | set(extra_eos_ids)
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self._template = None
+        self._max_token_bytes: int | None = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -149,6 +150,18 @@ class ChatTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the text bytes one token stands for: the longest vocabulary entry
+        in UTF-8 (specials included). Byte-level BPE spells each byte as one character and
+        SentencePiece / byte-fallback spellings are no shorter than their text, so a text of
+        ``b`` bytes has at least ``b / max_token_bytes`` tokens (the server's size check)."""
+        if self._max_token_bytes is None:
+            vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab),
+                                        default=1)
+        return self._max_token_bytes
 
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
