@@ -72,6 +72,10 @@ def check_field_types(body: Mapping[str, Any]) -> None:
             continue
         raise APIError(400, f"Invalid type for '{key}': expected {' or '.join(allowed)}, got {t}",
                        param=key, code="invalid_type")
+    p = body.get("prompt")
+    if isinstance(p, list) and not (all(type(x) is int for x in p) or all(isinstance(x, str) for x in p)):
+        raise APIError(400, "Invalid type for 'prompt': a string, a list of strings or a list of "
+                       "token ids", param="prompt", code="invalid_type")
 
 
 class _Common(BaseModel):
@@ -184,11 +188,6 @@ def parse(model: type[BaseModel], body: Any):
                 raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
         if isinstance(p, list) and not p:
             raise APIError(400, "prompt: must not be empty", param="prompt")
-        raw = body.get("prompt")
-        if isinstance(raw, list) and not (all(type(x) is int for x in raw)
-                                          or all(isinstance(x, str) for x in raw)):
-            raise APIError(400, "prompt: a string, a list of strings or a list of token ids",
-                           param="prompt", code="invalid_type")
     return req
 
 
