@@ -43,10 +43,12 @@ def serve_args(*, model: str, policy: str, device_tokens: int, host_tokens: int,
 
 
 class BenchServer:
-    def __init__(self, args: Sequence[str], *, host: str = "127.0.0.1", timeout_s: float = 300.0) -> None:
+    def __init__(self, args: Sequence[str], *, host: str = "127.0.0.1", timeout_s: float = 300.0,
+                 port: Optional[int] = None, health_headers: Optional[dict] = None) -> None:
         self.args = list(args)
         self.host = host
-        self.port = free_port(host)
+        self.port = port or free_port(host)
+        self.health_headers = health_headers or {}
         self.timeout_s = timeout_s
         self.proc: Optional[subprocess.Popen] = None
         self.log_path: Optional[Path] = None
@@ -86,7 +88,7 @@ class BenchServer:
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + self.timeout_s
-        with httpx.Client(timeout=2.0, trust_env=False) as c:
+        with httpx.Client(timeout=2.0, trust_env=False, headers=self.health_headers) as c:
             while True:
                 code = self.proc.poll()
                 if code is not None:
