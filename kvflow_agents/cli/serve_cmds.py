@@ -84,8 +84,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                          param_hint="--model-path")
             argv = ["--model-path", model_path, "--host", host, "--port", str(port),
                     "--page-size", str(page_size), "--log-level", log_level]
-            if api_key:
+            if api_keys_file:  # tenants: the plugin's endpoints check the keys (serving/tenancy.py)
+                argv += ["--kvflow-api-keys-file", api_keys_file]
+            elif api_key:
                 argv += ["--api-key", api_key[0]]
+            if tenant_header:
+                argv += ["--kvflow-tenant-header", tenant_header]
             raise typer.Exit(serve_sglang(argv + list(ctx.args)))
         if engine != "embedded":
             raise typer.BadParameter(f"unknown engine {engine!r}; choose embedded or sglang", param_hint="--engine")
@@ -101,12 +105,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter("timeouts must be > 0", param_hint="--timeout-headers/--timeout-read")
         keys: dict = {}
         if api_keys_file:
-            from kvflow_agents.serving.embedded.tenancy import load_keys_file
+            from kvflow_agents.serving.tenancy import load_keys_file
             try:
                 keys = load_keys_file(api_keys_file)
             except (OSError, ValueError) as e:
                 raise typer.BadParameter(str(e), param_hint="--api-keys-file") from None
-        from kvflow_agents.serving.embedded.tenancy import Tenancy, key_tenant_name
+        from kvflow_agents.serving.tenancy import Tenancy, key_tenant_name
         keys.update({key_tenant_name(k): k for k in api_key or () if k})
         try:
             tenancy = Tenancy(keys, tenant_header)

@@ -23,7 +23,7 @@ from typing import Optional
 
 
 def cache_report(engine, tenant: Optional[str] = None) -> dict:
-    from .tenancy import visible_key
+    from ..tenancy import visible_key
 
     mgr = engine.manager
     mgr.tick(engine.pool.now())

@@ -116,6 +116,12 @@ def _path(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def json_bytes(obj: Any) -> bytes:
+    """JSON that always encodes: a stray lone surrogate becomes a ``\\udXXX`` escape."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
 # ---------------------------------------------------------------- headers
 _BAD_HEADER_CHARS = re.compile(r"[^\x21-\x7e ]")
 

@@ -30,7 +30,7 @@ Invariants:
   response header is legal, so every response is sent;
 - a client that disconnects (stream or not) aborts its request, which frees its KV pages;
 - with API keys, every endpoint requires ``Authorization: Bearer <key>`` (or ``x-api-key``), and
-  the key names the tenant: workflows are namespaced per tenant (``tenancy.py``).
+  the key names the tenant: workflows are namespaced per tenant (``serving/tenancy.py``).
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ from kvflow_agents.protocol import HEADER_REJECTED, HintError, Hints
 
 from . import metrics_prom
 from .engine import Engine, EngineInputError
-from .limits import BodyError, LimitsMiddleware, ServerLimits, parse_json_body
+from .limits import BodyError, LimitsMiddleware, ServerLimits, json_bytes, parse_json_body
 from .openai_api import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response,
                          completion_chunk, completion_response, finish_reason, header_safe, parse,
                          parse_hints, prompt_kwargs, usage)
-from .tenancy import Tenancy, TenantError, scope_hints
+from ..tenancy import Tenancy, TenantError, scope_hints
 
 log = logging.getLogger("kvflow.server")
 
@@ -67,8 +67,7 @@ class SafeJSONResponse(JSONResponse):
     """JSON that always encodes: a stray lone surrogate becomes a ``\\udXXX`` escape."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
-                          separators=(",", ":")).encode("utf-8", "backslashreplace")
+        return json_bytes(content)
 
 
 def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str] | Tenancy | None" = None,

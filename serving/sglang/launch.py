@@ -8,7 +8,7 @@ Adds, unless the caller already chose them: ``--enable-hierarchical-cache``,
 TreeCore (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``: the Rust core rejects custom
 eviction policies). Our own flags are taken out of argv and passed through the environment,
 which SGLang's spawned processes inherit: ``--kvflow-lookahead N``, ``--kvflow-lease-s S``,
-``--kvflow-max-prefetch N``.
+``--kvflow-max-prefetch N``, ``--kvflow-api-keys-file F``, ``--kvflow-tenant-header H``.
 
 Why the module registers the plugin at import time: SGLang starts its scheduler processes with
 ``multiprocessing`` *spawn*, which re-imports the parent's main module in every child as
@@ -29,7 +29,9 @@ DEFAULT_FLAGS = (
     ("--radix-eviction-policy", "kvflow"),
 )
 OWN_FLAGS = {"--kvflow-lookahead": "KVFLOW_LOOKAHEAD", "--kvflow-lease-s": "KVFLOW_LEASE_S",
-             "--kvflow-max-prefetch": "KVFLOW_MAX_PREFETCH"}
+             "--kvflow-max-prefetch": "KVFLOW_MAX_PREFETCH",
+             "--kvflow-api-keys-file": "KVFLOW_API_KEYS_FILE",  # tenants (serving/tenancy.py)
+             "--kvflow-tenant-header": "KVFLOW_TENANT_HEADER"}
 
 
 def _has_flag(argv: Sequence[str], flag: str) -> bool:

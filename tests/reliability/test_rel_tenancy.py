@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvflow_agents.serving.embedded.tenancy import Tenancy, TenantError, scope_hints, visible_key
+from kvflow_agents.serving.tenancy import Tenancy, TenantError, scope_hints, visible_key
 
 KEYS = {"alice": "key-a", "bob": "key-b"}
 SYSTEM = "You are the planner. " * 12
