@@ -19,12 +19,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         soak_s: Optional[float] = typer.Option(None, min=1, help="Soak duration in seconds (full: 300)."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write the rows as JSON here ('-': stdout)."),
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Draw soak RSS and hint-memory rounds (PNG)."),
+        markdown_out: Optional[str] = typer.Option(None, "--markdown", help="Write the table as Markdown here."),
         progress: bool = typer.Option(True, help="Show progress bars."),
     ) -> None:
         """Fault suite of `kvflow serve` on 127.0.0.1: fuzz, isolation, /health under load,
         disconnects, slow clients, tenants, hint memory, soak, kill -9, determinism.
 
-        Prints one row per check (tried / failed / figure); exits 1 if any row failed.
+        Prints one row per check (tried / failed / target / figure); exits 1 if any row failed
+        or missed its target.
         """
         from rich.console import Console
 
@@ -58,5 +60,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                     json.dump(doc, f, indent=1)
         if plot_out:
             rel.plot(suite.series, plot_out)
+        if markdown_out:
+            with open(markdown_out, "w") as f:
+                f.write(rel.markdown(rows) + "\n")
         if not doc["all_ok"]:
             raise typer.Exit(1)

@@ -25,6 +25,25 @@ Threading invariants:
   the engine thread (asyncio users get them via ``loop.call_soon_threadsafe``);
 - :meth:`stats` reads a snapshot the engine thread publishes, so /metrics never blocks a step.
 
+Failure isolation (one request never fails another):
+- :meth:`make_request` validates everything the engine would fail on (sampling values, the seed's
+  range, token ids, sizes: a prompt over ``max_prompt_tokens`` is refused from its length or a
+  bounded probe before it is fully tokenized), on the caller's thread, before submission;
+- inside a step, work on one request (prepare, readiness, admission, prefill, sampling) runs
+  under :meth:`_guard`: an exception fails that request alone (finish reason ``error``, pages and
+  locks released); a batched decode that raises is retried one sequence at a time, so only the
+  sequence that fails is failed; the engine thread catches everything else and keeps serving.
+
+Tenants: ``make_request(tenant=)`` / ``update_hints(hints, tenant)`` make the tenant the hints'
+*client* in the policy core; with ``client_cap="fair"`` each active tenant's hints protect at most
+device pool / active tenants (no cap while one tenant is active).
+
+Deterministic mode (``EngineConfig.deterministic``): batch-invariant decode kernels
+(``LlamaModel.decode_batch(invariant_rows=max_batch)``), prefill chunks that end at multiples of
+``deterministic_chunk`` (absolute positions, whatever shares the step's budget), prefix reuse
+aligned to those chunks, and only prompt KV cached (decode-written KV is not bit-identical to a
+prefill's). Greedy output then depends on the request alone, not on batching or cache state.
+
 One scheduler step: ``manager.tick()`` (finish due loads, start prefetches from the planner's
 plan) → prepare new arrivals (match + lock, start on-demand loads of host-only prefixes) →
 admit ready requests (status-aware: loading ones are skipped, see ``scheduler.py``; pages for

@@ -78,9 +78,11 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
     limits.validate()
     tenancy = api_key if isinstance(api_key, Tenancy) else Tenancy.from_options(api_key, tenant_header)
     served_models = {engine.model_name, *model_aliases}
-    # Tokenizing and parsing big bodies run here, not on the event loop; two workers bound the
-    # memory that concurrent huge prompts can take.
-    workers = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvflow-prep")
+    # Parsing and tokenizing run in these pools, not on the event loop. Big bodies get their own
+    # two workers: they bound the memory concurrent huge prompts take, and a queue of them never
+    # delays ordinary requests, which have four.
+    small = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvflow-prep")
+    large = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvflow-prep-big")
 
     def authenticate(request: Request) -> None:
         try:
@@ -119,14 +121,16 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
         return SafeJSONResponse(APIError(500, "internal server error", type="server_error").body(),
                                 status_code=500)
 
-    async def off_loop(fn, *args, **kw):
-        return await asyncio.get_running_loop().run_in_executor(workers, functools.partial(fn, *args, **kw))
+    async def off_loop(big: bool, fn, *args, **kw):
+        pool = large if big else small
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kw))
 
     async def read_json(request: Request, skip: Sequence[str] = ()) -> Any:
         raw = await request.body()
+        request.state.big = len(raw) > INLINE_PARSE_BYTES
         try:
-            if len(raw) > INLINE_PARSE_BYTES:
-                return await off_loop(parse_json_body, raw, max_depth=limits.max_json_depth, skip=skip)
+            if request.state.big:
+                return await off_loop(True, parse_json_body, raw, max_depth=limits.max_json_depth, skip=skip)
             return parse_json_body(raw, max_depth=limits.max_json_depth, skip=skip)
         except BodyError as e:
             raise APIError(e.status, str(e), param=e.param) from None
@@ -153,8 +157,8 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
 
     async def build(req, kw: dict, hints, request: Request):
         try:
-            return await off_loop(engine.make_request, **kw, params=req.sampling(), hints=hints,
-                                  tenant=tenant_of(request))
+            return await off_loop(getattr(request.state, "big", False), engine.make_request, **kw,
+                                  params=req.sampling(), hints=hints, tenant=tenant_of(request))
         except EngineInputError as e:
             raise APIError(400, str(e), param=e.param, code=e.code) from None
 
@@ -219,7 +223,8 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
     # ------------------------------------------------------------------ OpenAI API
     async def completion(request: Request, model_cls, chat: bool) -> Response:
         body = await read_json(request, skip=("custom_params",))
-        req = parse(model_cls, body)
+        big = request.state.big
+        req = await off_loop(True, parse, model_cls, body) if big else parse(model_cls, body)
         check_model(req)
         hints, headers = hint_headers(body, request)
         kw = {"messages": req.message_dicts()} if chat else prompt_kwargs(req)
