@@ -66,7 +66,7 @@ class Plan:
     flood_baseline: bool = True          # also run the flood with --client-cap off
     cross_tenant: int = 120
     soak_workflows: int = 64
-    soak_s: float = 300.0
+    soak_s: float = 600.0
     restarts: int = 1
     restart_requests: int = 50
     det_model: str = "smollm2-135m"
@@ -433,7 +433,8 @@ class Suite:
             ("max characters (densest token)", sized(dense, limit - 64)),
             ("max body, over the limit", "lorem ipsum " * (7 * 1024 * 1024 // 12)),
         ]
-        lat: list[float] = []
+        probes: list[tuple[float, float]] = []   # (start, latency), perf_counter seconds
+        windows: list[tuple[float, float]] = []  # (sent, response started) of each big request
         statuses = []
         stop = threading.Event()
         probe_errors = [0]
@@ -447,7 +448,7 @@ class Suite:
                         ok = h.get("/health").status_code == 200
                     except httpx.HTTPError:
                         ok = False
-                    lat.append(time.perf_counter() - t0)
+                    probes.append((t0, time.perf_counter() - t0))
                     probe_errors[0] += not ok
                     time.sleep(0.02)
         bodies = [(label, len(text), json.dumps(chat_body(text, model=model, max_tokens=1, stream=True)).encode())
@@ -456,9 +457,18 @@ class Suite:
         prober.start()
         try:
             async with httpx.AsyncClient(base_url=srv.url, timeout=300, headers=auth("alice")) as c:
+                async def idle() -> None:  # the previous request's prefill is over
+                    deadline = time.monotonic() + 120
+                    while time.monotonic() < deadline:
+                        q = (await c.get("/kvflow/v1/cache")).json()["queue"]
+                        if not any(q.values()):
+                            return
+                        await asyncio.sleep(0.2)
                 await asyncio.sleep(0.3)
                 for _ in range(self.plan.health_requests):
                     for label, chars, body in bodies:
+                        await idle()
+                        await asyncio.sleep(0.2)
                         # streamed: the response starts once the prompt is parsed and tokenized;
                         # then the client leaves (its prefill is aborted, not waited for)
                         t0 = time.perf_counter()
@@ -468,20 +478,27 @@ class Suite:
                                 code = r.status_code
                         except httpx.TransportError:
                             code = None
-                        statuses.append((label, chars, code, round(time.perf_counter() - t0, 2)))
-                        await asyncio.sleep(0.3)
+                        t1 = time.perf_counter()
+                        windows.append((t0, t1))
+                        statuses.append((label, chars, code, round(t1 - t0, 2)))
                     self.progress("advance:health", 1)
+                await idle()
         finally:
             stop.set()
             prober.join(10)
-        slow = sum(x > HEALTH_BUDGET_S for x in lat)
+        during = [lt for st, lt in probes if any(st < b and st + lt > a for a, b in windows)]
+        others = [lt for st, lt in probes if not any(st < b and st + lt > a for a, b in windows)]
+        slow = sum(x > HEALTH_BUDGET_S for x in during)
         unanswered = sum(st[2] is None or st[2] >= 500 for st in statuses) + probe_errors[0]
-        p50 = statistics.median(lat) * 1000 if lat else math.nan
-        p99 = sorted(lat)[int(0.99 * (len(lat) - 1))] * 1000 if lat else math.nan
-        return Row(f"/health while max-size requests are tokenized ({model})", len(lat), unanswered,
-                   f"p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {max(lat) * 1000:.1f} ms "
-                   f"(budget {HEALTH_BUDGET_S * 1000:.0f} ms)",
-                   {"requests": statuses, "max_ms": round(max(lat) * 1000, 1), "over_budget": slow},
+
+        def pct(xs: list, q: float) -> float:
+            return sorted(xs)[int(q * (len(xs) - 1))] * 1000 if xs else math.nan
+        return Row(f"/health while max-size requests are tokenized ({model})", len(probes), unanswered,
+                   f"while parsing + tokenizing ({len(during)} probes): p50 {pct(during, 0.5):.1f}, max "
+                   f"{pct(during, 1):.1f} ms (budget {HEALTH_BUDGET_S * 1000:.0f}); otherwise, incl. the "
+                   f"{limit}-token prefills that follow: p99 {pct(others, 0.99):.1f} ms",
+                   {"requests": statuses, "during_max_ms": round(pct(during, 1), 1),
+                    "others_p99_ms": round(pct(others, 0.99), 1), "over_budget": slow},
                    target=slow == 0)
 
     # ------------------------------------------------------------ disconnects
@@ -561,6 +578,7 @@ class Suite:
     # ------------------------------------------------------------ tenants
     async def cross_tenant(self, srv: BenchServer) -> Row:
         secret_wf, secret_app = "alpha-secret-workflow", "alpha-secret-app"
+        private = "alpha-private-workflow-7f3e"  # bob never names this one: seeing it is a leak
         system = "You are the alpha planner with a private prompt. " * 6
         async with httpx.AsyncClient(base_url=srv.url, timeout=60, headers=auth("alice")) as a, \
                 httpx.AsyncClient(base_url=srv.url, timeout=60, headers=auth("bob")) as b:
@@ -569,14 +587,12 @@ class Suite:
                 return {(w["workflow"], x["agent"]): x["ste"] for w in rep["workflows"] for x in w["agents"]}
 
             async def refresh() -> None:
-                for wf, app in ((secret_wf, None), ("w2", secret_app)):
+                for wf, app in ((secret_wf, None), ("w2", secret_app), (private, None)):
                     params = hint(wf, "planner", {"planner": 0, "coder": 1}, kvflow_fixed_messages=1)
                     if app:
                         params["kvflow_app"] = app
                     r = await a.post("/v1/chat/completions", json=chat_body("go", system=system, custom_params=params))
                     assert r.status_code == 200
-            await refresh()
-            expected = await alice_state()
             attempts = [
                 ("GET", "/kvflow/v1/cache", None, {}), ("GET", "/kvflow/v1/cache?format=text", None, {}),
                 ("GET", "/metrics", None, {}),
@@ -593,23 +609,19 @@ class Suite:
                  {"X-KVFlow-Workflow": secret_wf, "X-KVFlow-Agent": "coder"}),
             ]
             successes, tried, examples = 0, 0, []
-            secrets = (secret_wf, secret_app, "alpha planner")
+            secrets = (private, "alpha planner")
             for i in range(self.plan.cross_tenant):
                 method, path, body, hdrs = attempts[i % len(attempts)]
+                await refresh()  # alice's lease runs from here: her state is only bob's to change
+                expected = await alice_state()
                 r = await b.request(method, path, json=body, headers=hdrs)
                 tried += 1
-                sent = json.dumps(body) + json.dumps(hdrs)  # echoing bob's own input leaks nothing
-                leaked = any(s in r.text and s not in sent for s in secrets)
+                leaked = any(s in r.text for s in secrets)
                 await asyncio.sleep(0.05)
                 changed = (await alice_state()) != expected
                 if leaked or changed:
                     successes += 1
                     examples.append(f"{method} {path} {body}: leaked={leaked} changed={changed}")
-                    await refresh()
-                    expected = await alice_state()
-                if i % 4 == 3:
-                    await refresh()
-                    expected = await alice_state()
                 self.progress("advance:cross-tenant", 1)
         return Row("cross-tenant attempts (read / end / null / spoof)", tried, successes,
                    f"{successes} succeeded", {"examples": examples[:5]})
@@ -770,12 +782,14 @@ class Suite:
         self.progress("advance:soak", p.soak_workflows)
         n = len(samples)
         first, mid, last = samples[0][1], samples[n // 2][1], samples[-1][1]
+        q1, q3 = samples[n // 4][1], samples[3 * n // 4][1]
         peak_t = next(t for t, r in samples if r >= max(r for _, r in samples) - 2.0)
         late_growth = last - mid
-        levels = late_growth <= max(8.0, 0.03 * mid)
+        # levels off: the last quarter grows at most a fifth as fast as the first (or < 8 MB)
+        levels = last - q3 <= max(8.0, 0.2 * (q1 - first))
         return Row(f"soak: {p.soak_workflows} workflows for {p.soak_s:.0f} s", requests, errors,
-                   f"{requests} requests, {errors} errors; RSS {first:.0f} -> {mid:.0f} (half) -> {last:.0f} MB, "
-                   f"within 2 MB of its peak from {peak_t:.0f} s on",
+                   f"{requests} requests, {errors} errors; RSS {first:.0f} -> {q1:.0f} (1/4) -> {mid:.0f} (1/2) "
+                   f"-> {q3:.0f} (3/4) -> {last:.0f} MB (within 2 MB of the end from {peak_t:.0f} s on)",
                    {"rss": [(round(t, 1), round(r, 1)) for t, r in samples], "late_growth_mb": round(late_growth, 1)},
                    target=levels)
 

@@ -78,6 +78,7 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
     limits.validate()
     tenancy = api_key if isinstance(api_key, Tenancy) else Tenancy.from_options(api_key, tenant_header)
     served_models = {engine.model_name, *model_aliases}
+    engine.tokenizer.offload_long_texts()  # a maximum-size prompt never stalls the event loop
     # Parsing and tokenizing run in these pools, not on the event loop. Big bodies get their own
     # two workers: they bound the memory concurrent huge prompts take, and a queue of them never
     # delays ordinary requests, which have four.

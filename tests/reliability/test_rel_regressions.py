@@ -303,3 +303,20 @@ def test_slow_clients_are_cut_off_and_others_are_served(rserve):
             assert s.recv(4096) == b""
         for s in (slow_head, slow_body, idle):
             s.close()
+
+
+def test_long_texts_are_tokenized_in_a_helper_process():
+    """Long prompts are encoded in a spawned process (the server's GIL is never held by it),
+    with the same ids as in-process encoding."""
+    from kvflow_agents.serving.embedded.model.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.byte_level()
+    text = "héllo <|im_start|> wörld " * 50
+    local = tok.encode(text)
+    tok.offload_long_texts(min_chars=100)
+    try:
+        assert tok.encode(text) == local
+        assert tok._offload.pool is not None  # the helper ran it
+        assert tok.encode("short") == [ord(c) for c in "short"]
+    finally:
+        tok.close()

@@ -64,6 +64,7 @@ class ChatTokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self._template = None
         self._max_token_bytes: int | None = None
+        self._offload = None  # tokenize_worker.OffloadEncoder, see offload_long_texts
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -168,7 +169,25 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Special tokens written in ``text`` (e.g. ``<|im_start|>``) map to their ids."""
+        if self._offload is not None and len(text) >= self._offload.min_chars:
+            return self._offload.encode(text)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def offload_long_texts(self, min_chars: int = 64 * 1024) -> None:
+        """Encode texts of ``min_chars`` or more in a helper process (``spawn``ed at the first).
+
+        Why: ``tokenizers`` does not always release the GIL while it encodes (measured: a 650k
+        character prompt held it for ~0.8 s in one call, not in the next), and a server's event
+        loop must not stall while a maximum-size prompt is tokenized. A process costs one IPC
+        round trip (the text is pickled, ids come back), only for long texts."""
+        if self._offload is None:
+            from ..tokenize_worker import OffloadEncoder
+            self._offload = OffloadEncoder(self.tokenizer, min_chars)
+
+    def close(self) -> None:
+        if self._offload is not None:
+            self._offload.close()
+            self._offload = None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
