@@ -286,12 +286,15 @@ class Suite:
     def __init__(self, plan: Plan, *, seed: int = 0, log: Callable[[str], None] = print,
                  progress: Optional[Callable[[str, int], None]] = None) -> None:
         self.plan, self.seed, self.log = plan, seed, log
-        self.progress = progress or (lambda event, n: None)
-        self.keys_path = keys_file()
+        self._hook = progress or (lambda event, n: None)
+        self._advanced: dict[str, int] = {}
+        self.keys_path: Optional[str] = None  # written by the first server(), removed by run()
         self.rows: list[Row] = []
         self.series: dict[str, list] = {}
 
     def server(self, *extra: str, model: str = TINY, port: Optional[int] = None) -> BenchServer:
+        if self.keys_path is None:
+            self.keys_path = keys_file()
         args = ["--model", model, "--policy", "kvflow", "--device-tokens", "4096", "--host-tokens",
                 "16384", "--log-level", "warning", "--api-keys-file", self.keys_path, *extra]
         return BenchServer(args, port=port, health_headers=auth("alice"), timeout_s=180)
@@ -323,11 +326,23 @@ class Suite:
             self._step("flood vs quiet", p.flood_rounds * (3 if p.flood_baseline else 2), self.flood)
             self._step("determinism", p.det_prompts, self.determinism)
         finally:
+            self.close()
+        return self.rows
+
+    def close(self) -> None:
+        if self.keys_path is not None:
             try:
                 os.unlink(self.keys_path)
             except OSError:
                 pass
-        return self.rows
+            self.keys_path = None
+
+    def progress(self, event: str, n: int) -> None:
+        """Progress hook of the CLI: ``start:<row>`` (total), ``advance:<row>`` (done so far)."""
+        kind, _, name = event.partition(":")
+        if kind == "advance":
+            self._advanced[name] = self._advanced.get(name, 0) + n
+        self._hook(event, n)
 
     def _step(self, name: str, n: int, fn: Callable) -> None:
         self.progress(f"start:{name}", n)
@@ -336,7 +351,9 @@ class Suite:
         row = asyncio.run(out) if asyncio.iscoroutine(out) else out
         row.detail["seconds"] = round(time.perf_counter() - t0, 1)
         self.rows.append(row)
-        self.progress(f"done:{name}", n)
+        rest = n - self._advanced.get(name, 0)
+        if rest > 0:
+            self.progress(f"advance:{name}", rest)
         self.log(f"{row.name}: tried {row.tried}, failed {row.failed} -- {row.figure}")
 
     # ------------------------------------------------------------ fuzz
