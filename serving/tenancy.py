@@ -99,6 +99,11 @@ class Tenancy:
         return cls(keys, tenant_header)
 
     @property
+    def shared(self) -> bool:
+        """Several tenants share this server (then operator endpoints are closed to them)."""
+        return len(self.keys) > 1 or self.tenant_header is not None
+
+    @property
     def enabled(self) -> bool:
         """Whether requests are namespaced (keys or a tenant header are configured)."""
         return bool(self.keys) or self.tenant_header is not None

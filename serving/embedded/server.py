@@ -13,6 +13,9 @@ Endpoints:
 - ``GET /kvflow/v1/cache``: the caller's workflows/agents: residency, STE/priority, tokens; pool
   usage (``?format=text`` for a plain table).
 - ``GET /metrics``: Prometheus text.
+- Gateway worker endpoints (``/model_info``, ``/server_info``, ``/v1/loads``, ``/get_load``,
+  ``/flush_cache``, ``/kvflow/v1/drain``), the ``x-kvflow-instance`` header and hint-only
+  completions: :mod:`.worker_api`.
 
 Sampling: ``temperature`` (default 1.0; 0 = greedy), ``top_p``, ``seed``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``; extension ``ignore_eos``. ``n`` must be 1; ``logprobs`` are
@@ -50,7 +53,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow_agents.protocol import HEADER_REJECTED, HintError, Hints
 
-from . import metrics_prom
+from . import metrics_prom, worker_api
 from .engine import Engine, EngineInputError
 from .limits import BodyError, LimitsMiddleware, ServerLimits, json_bytes, parse_json_body
 from .openai_api import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response,
@@ -61,6 +64,9 @@ from ..tenancy import Tenancy, TenantError, scope_hints
 log = logging.getLogger("kvflow.server")
 
 INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed off the event loop
+HINT_CHANNELS = ("custom_params", "metadata")  # validated by the hints parser, not as prompts
+# Operator endpoints act on every tenant's cache: not open to tenants of a shared server.
+OPERATOR_PATHS = ("/flush_cache", "/kvflow/v1/drain")
 
 
 class SafeJSONResponse(JSONResponse):
@@ -92,6 +98,9 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
             if e.status == 401:
                 raise APIError(401, str(e), type="authentication_error", code="invalid_api_key") from None
             raise APIError(e.status, str(e), param=tenancy.tenant_header) from None
+        if tenancy.shared and request.url.path in OPERATOR_PATHS:
+            raise APIError(403, f"{request.url.path} acts on every tenant's cache: not available "
+                           "on a server with several tenants", type="permission_error")
 
     app = FastAPI(title="kvflow embedded engine", dependencies=[Depends(authenticate)],
                   docs_url=None, redoc_url=None, openapi_url=None,
@@ -101,6 +110,7 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
     app.state.tenancy = tenancy
     app.state.limits = limits
     registry = metrics_prom.make_registry(engine)
+    worker = worker_api.install(app, engine)  # gateway endpoints, x-kvflow-instance, drain
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -223,7 +233,12 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
 
     # ------------------------------------------------------------------ OpenAI API
     async def completion(request: Request, model_cls, chat: bool) -> Response:
-        body = await read_json(request, skip=("custom_params",))
+        body = await read_json(request, skip=HINT_CHANNELS)
+        if not chat:
+            hint_only = worker_api.hint_only_response(engine, body, request.headers,
+                                                      tenant=tenant_of(request))
+            if hint_only is not None:  # an out-of-band event that came through a gateway
+                return hint_only
         big = request.state.big
         req = await off_loop(True, parse, model_cls, body) if big else parse(model_cls, body)
         check_model(req)
@@ -248,10 +263,8 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
                                            [engine.model_name, *sorted(served_models - {engine.model_name})]]}
 
     @app.get("/health")
-    async def health() -> dict:
-        if not engine.alive:
-            raise APIError(503, "engine thread is not running", type="server_error")
-        return {"status": "ok", "model": engine.model_name, "policy": engine.policy.name}
+    async def health() -> Response:  # 503 while starting, draining or stopped
+        return worker_api.health_response(engine, worker)
 
     # ------------------------------------------------------------------ KVFlow
     @app.post("/kvflow/v1/hints")

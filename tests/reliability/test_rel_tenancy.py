@@ -79,11 +79,11 @@ def test_fair_share_caps_a_tenant_only_when_others_are_active(rserve):
         bob = srv.http(headers={"Authorization": "Bearer key-b"})
         mgr = srv.engine.manager
         call(alice, "w1")
-        assert srv.engine.call(lambda e: e.manager.client_cap_pages) is None  # one tenant: no cap
+        assert srv.engine.call(lambda e: e.manager.tags.client_cap_pages) is None  # one tenant: no cap
         call(bob, "w1")
-        assert srv.engine.call(lambda e: e.manager.client_cap_pages) == mgr.device.capacity // 2
+        assert srv.engine.call(lambda e: e.manager.tags.client_cap_pages) == mgr.device.capacity // 2
         deadline = time.monotonic() + 10  # both leases lapse: back to no cap
-        while srv.engine.call(lambda e: e.manager.client_cap_pages) is not None:
+        while srv.engine.call(lambda e: e.manager.tags.client_cap_pages) is not None:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         alice.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -66,16 +65,18 @@ def test_hint_bodies_are_bounded_and_strict(served, tenants):  # noqa: F811
         assert r.status_code == 400, (raw[:40], r.text)
 
 
-def test_chat_hints_are_scoped_to_the_tenant(tenants):
+def test_request_hints_are_scoped_to_the_tenant(tenants):
+    """The hint intake (chat and completions, custom_params or metadata) scopes hints to the
+    caller's tenant; an unknown caller's hints are dropped; hint-only events are scoped too."""
     params = {"kvflow_v": 1, "kvflow_workflow": "t1", "kvflow_agent": "planner", "kvflow_ste": {}}
 
-    def convert(headers):
-        adapted = SimpleNamespace(routing_key=None, input_ids=[1, 2, 3],
-                                  sampling_params={"custom_params": dict(params)})
-        request = SimpleNamespace(custom_params=dict(params), messages=[])
-        raw = SimpleNamespace(headers={k.lower(): v for k, v in headers.items()})  # as Starlette's
-        http_api.after_convert_to_internal_request((adapted, None), None, request, raw)
-        return adapted.sampling_params["custom_params"]
-    assert convert(A)["kvflow_workflow"] == "alice::t1"
-    assert convert(B)["kvflow_workflow"] == "bob::t1"
-    assert not any(k.startswith("kvflow_") for k in convert({}))  # unknown tenant: hints dropped
+    def intake(headers, path="/v1/chat/completions", **extra):
+        body = json.dumps({"model": "m", "messages": [], "custom_params": {**params, **extra}}).encode()
+        out, control = http_api.intake(body, {k.lower(): v for k, v in headers.items()}, path)
+        return json.loads(out).get("custom_params"), control
+    assert intake(A)[0]["kvflow_workflow"] == "alice::t1"
+    assert intake(B, "/v1/completions")[0]["kvflow_workflow"] == "bob::t1"
+    assert intake(A, kvflow_app="peer")[0]["kvflow_app"] == "alice::peer"
+    assert not any(k.startswith("kvflow_") for k in intake({})[0])  # unknown tenant: dropped
+    _, control = intake(B, "/v1/completions", kvflow_event="end")
+    assert control["kvflow_workflow"] == "bob::t1" and control["kvflow_event"] == "end"
