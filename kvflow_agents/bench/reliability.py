@@ -41,6 +41,8 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+from kvflow_agents.protocol import Hints, hint_only_completion
+
 from .server import BenchServer
 
 TINY = "tiny-random"
@@ -624,6 +626,10 @@ class Suite:
                  chat_body("hi", custom_params=hint(secret_wf, "planner", {"planner": None, "coder": None})), {}),
                 ("POST", "/v1/chat/completions", chat_body("hi"),
                  {"X-KVFlow-Workflow": secret_wf, "X-KVFlow-Agent": "coder"}),
+                ("POST", "/v1/completions", {**hint_only_completion(Hints(workflow=secret_wf, agent="x"), "end"),
+                                             "model": TINY}, {}),
+                ("POST", "/flush_cache", None, {}),       # operator endpoints: every tenant's cache
+                ("POST", "/kvflow/v1/drain", None, {}),
             ]
             successes, tried, examples = 0, 0, []
             secrets = (private, "alpha planner")
@@ -636,6 +642,9 @@ class Suite:
                 leaked = any(s in r.text for s in secrets)
                 await asyncio.sleep(0.05)
                 changed = (await alice_state()) != expected
+                if path in ("/flush_cache", "/kvflow/v1/drain"):
+                    changed |= r.status_code < 400
+                    await a.delete("/kvflow/v1/drain")
                 if leaked or changed:
                     successes += 1
                     examples.append(f"{method} {path} {body}: leaked={leaked} changed={changed}")

@@ -54,6 +54,18 @@ def test_tenants_cannot_read_end_or_alter_each_other(rserve):
                                              "kvflow_agent": "x", "kvflow_event": "end"})
         time.sleep(0.3)
         assert agents(alice) == {("peer/w2", "planner"): 0}
+        # operator endpoints act on every tenant's cache: closed on a shared server
+        assert bob.post("/flush_cache").status_code == 403
+        assert bob.post("/kvflow/v1/drain").status_code == 403
+        assert agents(alice) == {("peer/w2", "planner"): 0}
+        # a hint-only completion (the gateway's out-of-band form) is scoped like the rest
+        r = bob.post("/v1/completions", json={"model": "tiny-random", "prompt": "", "max_tokens": 1,
+                                              "custom_params": {"kvflow_v": 1, "kvflow_workflow": "w2",
+                                                                "kvflow_app": "peer", "kvflow_agent": "x",
+                                                                "kvflow_event": "end"}})
+        assert r.status_code == 200 and r.json()["kvflow"]["event"] == "end"
+        time.sleep(0.3)
+        assert agents(alice) == {("peer/w2", "planner"): 0}
         for h in (alice, bob):
             h.close()
         with srv.http() as anon:
