@@ -892,10 +892,38 @@ class Suite:
                 "batched_tok_s": round(24 * len(prompts) / t_batched, 1)}
             self.progress("advance:determinism", len(prompts) // 2)
         d, n = out["det"], out["default"]
-        return Row(f"determinism: greedy alone vs batched ({name})", len(prompts), d["mismatches"],
-                   f"mismatches: default {n['mismatches']}/{len(prompts)}, --deterministic "
-                   f"{d['mismatches']}/{len(prompts)}; cost: batched {d['batched_tok_s'] / n['batched_tok_s']:.2f}x, "
-                   f"one at a time {d['alone_tok_s'] / n['alone_tok_s']:.2f}x the default's tokens/s", out)
+        logits = {k: logits_differ(loaded, prompts, rows) for k, rows in (("default", None), ("det", 16))}
+        out["logits_differ"] = logits
+        return Row(f"determinism: greedy alone vs batched ({name})", len(prompts),
+                   d["mismatches"] + logits["det"],
+                   f"greedy outputs differ: default {n['mismatches']}/{len(prompts)}, --deterministic "
+                   f"{d['mismatches']}/{len(prompts)}; one decode step's logits differ: default "
+                   f"{logits['default']}/{len(prompts)}, --deterministic {logits['det']}/{len(prompts)}; "
+                   f"cost: batched {d['batched_tok_s'] / n['batched_tok_s']:.2f}x, one at a time "
+                   f"{d['alone_tok_s'] / n['alone_tok_s']:.2f}x the default's tokens/s", out)
+
+
+def logits_differ(loaded, prompts: list[str], rows: Optional[int]) -> int:
+    """How many sequences get other logits from one decode step in a batch of all of them than
+    alone (bit for bit; ``rows``: the deterministic mode's batch-invariant decode)."""
+    import torch
+
+    from kvflow_agents.serving.embedded.kv_pool import PagedKVPool
+
+    model, tok, cfg = loaded
+    ps, seqs, nxt = 16, [], 0
+    ids = [tok.encode(q) for q in prompts]
+    pool = PagedKVPool(cfg, device_pages=sum(len(x) // ps + 2 for x in ids), host_pages=0, page_size=ps)
+    with torch.inference_mode():
+        for x in ids:
+            n = len(x) // ps + 2
+            pages = list(range(nxt, nxt + n))
+            nxt += n
+            first = int(torch.argmax(model.prefill(pool.device_kv, x, pages, 0)))
+            seqs.append((first, pages, len(x)))
+        batched = model.decode_batch(pool.device_kv, seqs, invariant_rows=rows)
+        return sum(not torch.equal(model.decode_batch(pool.device_kv, [sq], invariant_rows=rows)[0], batched[i])
+                   for i, sq in enumerate(seqs))
 
 
 # ================================================================ output
