@@ -32,6 +32,19 @@ def escape(text: str) -> str:
     return _escape(text)
 
 
+_HINTS_HELP = ("Hints sent: on (correct) | none | random | reversed | stale (wrong on purpose: "
+               "what does the server do with bad hints?).")
+
+
+def _hint_mode(mode: str) -> str:
+    from kvflow_agents.bench.hint_modes import check_mode
+
+    try:
+        return check_mode(mode)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--hints") from None
+
+
 def _round_page(n: float, page: int) -> int:
     return int(-(-int(n) // page) * page)
 
@@ -59,7 +72,7 @@ def _progress(enabled: bool, console):
 
 
 def _run_and_report(run, console, meta: dict, *, title: str, targets, progress: bool, raw: bool,
-                    json_out: Optional[str], plot_out: Optional[str]) -> None:
+                    json_out: Optional[str], plot_out: Optional[str], wide: bool = False) -> None:
     """Run a bench (``run(progress_hook, log)`` -> results), then table / JSON / plot; exit 3
     when a server did not start, 1 when any request failed."""
     from kvflow_agents.bench import report
@@ -72,19 +85,20 @@ def _run_and_report(run, console, meta: dict, *, title: str, targets, progress: 
         console.print(f"[red]error: a server did not start[/]\n{escape(str(e))}")
         raise typer.Exit(3) from None
     doc = report.to_json(meta, results, targets, raw=raw)
-    _emit(console, doc, results, title=title, targets=targets, json_path=json_out, plot_path=plot_out)
+    _emit(console, doc, results, title=title, targets=targets, json_path=json_out, plot_path=plot_out,
+          wide=wide)
     if any(r.workload.get("errors") for r in results):
         raise typer.Exit(1)
 
 
 def _emit(console, doc: dict, results, *, title: str, targets, json_path: Optional[str],
-          plot_path: Optional[str]) -> None:
+          plot_path: Optional[str], wide: bool = False) -> None:
     from kvflow_agents.bench import report
 
     if json_path == "-":
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
     else:
-        report.print_report(console, results, title=title, targets=targets)
+        report.print_report(console, results, title=title, targets=targets, wide=wide)
         if json_path:
             report.write_json(doc, json_path)
             console.print(f"[dim]JSON written to {json_path}[/]")
@@ -132,6 +146,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
         raw: bool = typer.Option(False, help="Include every request's record in the JSON."),
         seed: int = typer.Option(0, help="Seed of the generated prompts."),
+        hints: str = typer.Option("on", help=_HINTS_HELP),
+        hint_lag: int = typer.Option(2, min=1, help="--hints stale: STE map from this many requests earlier."),
+        wide: bool = typer.Option(False, help="Every table row (the default table fits 80 columns)."),
         progress: bool = typer.Option(True, help="Progress bars."),
     ) -> None:
         """The paper's synthetic workflow (fixed/dynamic/output tokens), one server per policy."""
@@ -152,11 +169,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter("must be > 0", param_hint="--host-link-gbps")
         if not 0 < load_fraction <= 10:
             raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
+        _hint_mode(hints)
         pols = _policies(policies)
         console = Console(stderr=json_out == "-")
         spec = WorkloadSpec(agents=agents, variant=variant, fixed=fixed, dynamic=dynamic, output=output,
                             rounds=rounds, warmup_rounds=warmup_rounds, workflows=workflows, seed=seed,
-                            share_prompts=share_prompts)
+                            share_prompts=share_prompts, hints=hints, hint_lag=hint_lag)
         spec.validate()
         counter = token_counter(model if not base_url else (served_model or model))
         fixed_total = fixed_prompt_tokens(spec, counter)
@@ -194,14 +212,15 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                               "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total}
         meta["command"] = "kvflow bench workflow " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "workflow"] else [])
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
-                 f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}")
+                 f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"
+                 + ("" if hints == "on" else f", hints: {hints}"))
         _run_and_report(
             lambda hook, log: run_workflow_bench(spec, pols, server, counter=counter, base_url=base_url,
                                                  model=served_model or model, api_key=api_key,
                                                  trials=trials, stream=stream, progress=hook,
                                                  keep_raw=raw, log=log),
             console, meta, title=title, targets=report.WORKFLOW_TARGETS if not base_url else (),
-            progress=progress, raw=raw, json_out=json_out, plot_out=plot_out)
+            progress=progress, raw=raw, json_out=json_out, plot_out=plot_out, wide=wide)
 
     @bench_app.command("peer")
     def peer(
@@ -232,6 +251,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
         raw: bool = typer.Option(False, help="Include every LLM call's record in the JSON."),
         seed: int = typer.Option(0, help="Sampling seed sent to the server."),
+        hints: str = typer.Option("on", help=_HINTS_HELP),
+        hint_lag: int = typer.Option(2, min=1, help="--hints stale: STE map from this many requests earlier."),
+        wide: bool = typer.Option(False, help="Every table row (the default table fits 80 columns)."),
         progress: bool = typer.Option(True, help="Progress bars."),
     ) -> None:
         """The PEER example (plan / parallel execute / express / review) as the workload."""
@@ -249,6 +271,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter("must be in (0, 10]", param_hint="--device-fraction")
         if not 0 < load_fraction <= 10:
             raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
+        _hint_mode(hints)
         pols = _policies(policies)
         console = Console(stderr=json_out == "-")
         from kvflow_agents.bench import peer as peer_bench
@@ -260,7 +283,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.Exit(2) from None
         opts = peer_bench.PeerOptions(questions=questions, ids=ids.split(",") if ids else None,
                                       warmup_questions=warmup_questions, jump=jump, max_rounds=max_rounds,
-                                      max_tokens=max_tokens, seed=seed, framework=framework)
+                                      max_tokens=max_tokens, seed=seed, framework=framework,
+                                      hints=hints, hint_lag=hint_lag)
         try:
             qs, warm = peer_bench.pick_questions(opts)
         except ValueError as e:
@@ -298,11 +322,77 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                               "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
                               "fixed_prompt_tokens": fixed_toks}
         meta["command"] = "kvflow bench peer " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "peer"] else [])
-        title = (f"kvflow bench peer: {len(qs)} question(s) ({', '.join(q.id for q in qs)}), {model}, "
-                 f"max_tokens {max_tokens}")
+        title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "
+                 f"{model}, max_tokens {max_tokens}" + ("" if hints == "on" else f", hints: {hints}"))
         _run_and_report(
             lambda hook, log: peer_bench.run_peer_bench(qs, warm, opts, pols, server, base_url=base_url,
                                                         model=served_model or model, api_key=api_key,
                                                         progress=hook, keep_raw=raw, log=log),
             console, meta, title=title, targets=report.PEER_TARGETS if not base_url else (),
-            progress=progress, raw=raw, json_out=json_out, plot_out=plot_out)
+            progress=progress, raw=raw, json_out=json_out, plot_out=plot_out, wide=wide)
+
+    @bench_app.command("engine")
+    def engine_cmd(
+        model: str = typer.Option("tiny-random", help="Model preset of the in-process engines."),
+        policies: str = typer.Option(_DEFAULT_POLICIES, help="Comma-separated: lru,hicache,kvflow,oracle."),
+        batch: str = typer.Option("1,8,32", help="Batch sizes (comma-separated): requests decoding at once."),
+        context: int = typer.Option(1024, min=16, help="Fixed system prompt per request (tokens)."),
+        steps: int = typer.Option(64, min=8, help="Decode steps per request."),
+        sink: str = typer.Option("asyncio", help="asyncio: stream every token to an event loop as "
+                                                 "`kvflow serve` does; direct: no-op sinks."),
+        cprofile: bool = typer.Option(False, help="Also cProfile the engine thread; print the top functions."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here ('-': stdout only)."),
+        plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
+        markdown: bool = typer.Option(False, help="Print the table as Markdown (every column)."),
+    ) -> None:
+        """Where a decode step goes: model forward vs the rest (cache, scheduler, sampling,
+        detokenise, sinks, engine loop), per policy and batch size, in-process."""
+        from rich.console import Console
+
+        from kvflow_agents.bench import engine_step
+
+        pols = _policies(policies)
+        try:
+            batches = sorted({int(x) for x in batch.split(",") if x.strip()})
+        except ValueError:
+            raise typer.BadParameter("expected comma-separated integers", param_hint="--batch") from None
+        if not batches or min(batches) < 1 or max(batches) > 256:
+            raise typer.BadParameter("batch sizes must be in [1, 256]", param_hint="--batch")
+        if sink not in engine_step.SINKS:
+            raise typer.BadParameter(f"choose one of {', '.join(engine_step.SINKS)}", param_hint="--sink")
+        console = Console(stderr=json_out == "-")
+        with console.status("measuring …") as status:
+            res = engine_step.run_engine_bench(
+                model=model, policies=pols, batches=batches, context=context, steps=steps,
+                cprofile=cprofile, sink_mode=sink,
+                progress=lambda s: status.update(f"measuring {s} …") if json_out != "-" else None)
+        summ = engine_step.summary(res)
+        doc = {"bench": "engine", "model": model, "context": context, "steps": steps, "sink": sink,
+               "command": "kvflow bench engine " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "engine"] else []),
+               "results": [r.as_dict() for r in res], "summary": summ}
+        title = (f"kvflow bench engine: {model}, {context}-token prompts, ms per decode step "
+                 f"(median), sinks: {sink}")
+        if json_out == "-":
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        else:
+            if markdown:
+                console.print(engine_step.markdown(res), highlight=False, soft_wrap=True)
+            else:
+                console.print(engine_step.render_table(res, title))
+            if "met" in summ:
+                worst = summ["batch1_rest_max_ms"]
+                console.print(f"target: rest <= {summ['rest_target_ms']} ms per step at batch 1 under every "
+                              f"policy: worst {worst:.3f} ms (spread {summ['batch1_rest_spread_ms']:.3f}) -> "
+                              + ("[green]met[/]" if summ["met"] else "[red]MISSED[/]"))
+            if cprofile:
+                for r in res:
+                    console.print(f"[bold]{r.policy} batch {r.batch}[/]: top functions (ms per step, calls)")
+                    for name, ms, calls in r.profile_top:
+                        console.print(f"  {ms:8.3f} {calls:8.1f}  {escape(name)}", highlight=False)
+            if json_out:
+                from kvflow_agents.bench import report
+
+                report.write_json(doc, json_out)
+                console.print(f"[dim]JSON written to {json_out}[/]")
+        if plot_out:
+            engine_step.plot(res, plot_out, title)

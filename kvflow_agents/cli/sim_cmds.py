@@ -157,6 +157,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         json_out: Optional[str] = typer.Option(None, "--json", help="Write results as JSON ('-': stdout only)."),
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
         markdown: Optional[str] = typer.Option(None, help="Write the tables as Markdown here."),
+        wide: bool = typer.Option(False, help="Every column (the default tables fit 80 columns)."),
         progress: bool = typer.Option(True, help="Progress bar."),
     ) -> None:
         """The paper's figure configurations: lru, hicache, kvflow, oracle; paper ratio vs ours."""
@@ -179,7 +180,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             paper.run_figures(figs, progress=step)
         sums = [paper.figure_summary(f) for f in figs]
         if json_out != "-":
-            for t in report.paper_tables(sums):
+            for t in report.paper_tables(sums, wide=wide):
                 console.print(t)
         _emit(console, {"source": paper.PAPER_SRC, "figures": sums}, json_out)
         if markdown:
@@ -201,6 +202,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         layerwise: bool = typer.Option(True, help="Layer-wise overlap of on-demand loads (HiCache)."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write results as JSON ('-': stdout only)."),
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Write the heatmaps (PNG) here."),
+        wide: bool = typer.Option(False, help="One table with all three metrics per cell (wider than 80 columns)."),
         progress: bool = typer.Option(True, help="Progress bar."),
     ) -> None:
         """Concurrency x bandwidth: hidden-load fraction, kvflow/hicache, hicache vs recompute."""
@@ -219,7 +221,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                              output=output, prefix_fraction=prefix_fraction, layerwise=layerwise,
                              progress=step)
         if json_out != "-":
-            console.print(report.sweep_table(sw))
+            for t in report.sweep_tables(sw, wide=wide):
+                console.print(t)
         _emit(console, sw, json_out)
         if plot_out:
             report.plot_sweep(sw, plot_out)
