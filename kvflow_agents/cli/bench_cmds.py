@@ -111,6 +111,12 @@ def _emit(console, doc: dict, results, *, title: str, targets, json_path: Option
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @bench_app.command("workflow")
     def workflow(
+        preset: Optional[str] = typer.Option(
+            None, help="paper: the paper's regime on this machine: 10-agent cycle, 32 dynamic / 32 "
+                       "output tokens, and the fixed prompt as long as it takes for recomputing it to "
+                       "weigh against a call as for Llama-3.1-8B on an A10G at 8,192 fixed tokens "
+                       "(calibrated on a served oracle; overrides --fixed/--dynamic/--output/--agents); "
+                       "link at load = 1/3 of that recompute."),
         agents: int = typer.Option(10, min=1, help="Agents in the workflow."),
         variant: str = typer.Option("cycle", help="cycle (agent_0 -> ... -> agent_N-1 -> agent_0) or "
                                                   "fanout (head -> N-2 parallel workers -AND-> tail -> head)."),
@@ -172,6 +178,29 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         _hint_mode(hints)
         pols = _policies(policies)
         console = Console(stderr=json_out == "-")
+        regime = None
+        if preset is not None:
+            if preset != "paper":
+                raise typer.BadParameter("the only preset is 'paper'", param_hint="--preset")
+            if base_url:
+                raise typer.BadParameter("--preset paper calibrates embedded servers; not with --base-url",
+                                         param_hint="--preset")
+            from kvflow_agents.bench.calibrate import (PAPER_REGIME, choose_fixed_for_ratio,
+                                                       paper_recompute_ratio)
+            from kvflow_agents.bench.workload import token_counter as _tc
+
+            target = paper_recompute_ratio()
+            console.print(f"paper regime: on {target['profile']} recomputing {target['fixed']} fixed tokens "
+                          f"takes {target['recompute_s']:.2f} s, a call with them cached "
+                          f"{target['call_s']:.2f} s: ratio {target['ratio']:.2f}; finding the fixed "
+                          f"length with that ratio on {model} …")
+            agents, variant = 10, "cycle"
+            dynamic, output = PAPER_REGIME["dynamic"], PAPER_REGIME["output"]
+            regime = choose_fixed_for_ratio(model, _tc(model), target_ratio=target["ratio"], dynamic=dynamic,
+                                            output=output, page_size=page_size,
+                                            log=lambda t: console.print(f"[dim]{escape(t)}[/]"))
+            console.print(regime.describe())
+            fixed = regime.fixed
         spec = WorkloadSpec(agents=agents, variant=variant, fixed=fixed, dynamic=dynamic, output=output,
                             rounds=rounds, warmup_rounds=warmup_rounds, workflows=workflows, seed=seed,
                             share_prompts=share_prompts, hints=hints, hint_lag=hint_lag)
@@ -180,6 +209,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         fixed_total = fixed_prompt_tokens(spec, counter)
         meta: dict = {"bench": "workflow", "workload": spec.as_dict(), "policies_run": pols,
                       "tokenizer": counter.name, "fixed_prompt_tokens_total": fixed_total}
+        if regime is not None:
+            meta["preset"] = {"name": "paper", "target": target, "calibration": regime.as_dict()}
         server = None
         if base_url:
             console.print(f"measuring the running server at {base_url} (one column, 'external')")
@@ -202,6 +233,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 console.print(cal.describe())
                 meta["calibration"] = cal.as_dict()
                 link = cal.link_gbps
+                if regime is not None:  # the served recompute (what the bench's calls pay), not in-process
+                    link = cal.prefix_tokens * cal.kv_bytes_per_token / (regime.recompute_s * load_fraction) / 1e9
+                    meta["calibration"]["link_gbps_served"] = link
+                    console.print(f"paper regime: link from the served recompute "
+                                  f"({regime.recompute_s * 1e3:.0f} ms): --host-link-gbps {link:.4g}")
             console.print(f"device pool {dev} tokens = {dev / fixed_total:.0%} of the {fixed_total} "
                           f"fixed-prompt tokens; host pool {host} tokens; host link "
                           + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
@@ -219,7 +255,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                                  model=served_model or model, api_key=api_key,
                                                  trials=trials, stream=stream, progress=hook,
                                                  keep_raw=raw, log=log),
-            console, meta, title=title, targets=report.WORKFLOW_TARGETS if not base_url else (),
+            console, meta, title=title,
+            targets=() if base_url else report.PAPER_TARGETS if regime is not None else report.WORKFLOW_TARGETS,
             progress=progress, raw=raw, json_out=json_out, plot_out=plot_out, wide=wide)
 
     @bench_app.command("peer")

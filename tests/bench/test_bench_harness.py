@@ -299,3 +299,21 @@ def test_peer_bench_wiring_against_a_recording_server(tmp_path):
     assert w["calls_per_agent"] == {"planner": 1, "executor": 3, "expresser": 1, "reviewer": 1}
     assert {q.hints["kvflow_agent"] for q in reqs} == {"planner", "executor", "expresser", "reviewer"}
     assert doc["targets"] == []  # an external server is not judged against the targets
+
+
+def test_paper_regime_target_and_fit():
+    from kvflow_agents.bench.calibrate import _fit_ratio, paper_recompute_ratio
+
+    t = paper_recompute_ratio()
+    # Llama-3.1-8B / A10G profile: recomputing 8192 tokens is 2-3x a call with them cached
+    assert t["fixed"] == 8192 and t["dynamic"] == 32 and t["output"] == 32
+    assert 1.5 < t["ratio"] < 4 and t["recompute_s"] > t["call_s"] > 0
+    # the fit recovers an exact quadratic/linear pair and is increasing even from noisy probes
+    rec = lambda n: 2e-5 * n + 1e-8 * n * n  # noqa: E731
+    call = lambda n: 0.05 + 1e-6 * n  # noqa: E731
+    f = _fit_ratio([[n, rec(n), call(n), rec(n) / call(n)] for n in (1024, 2048, 4096)])
+    assert f(3000) == pytest.approx(rec(3000) / call(3000), rel=1e-6)
+    noisy = _fit_ratio([[1024, 0.046, 0.075, 0], [2048, 0.187, 0.221, 0], [4096, 0.628, 0.183, 0]])
+    assert all(noisy(a) < noisy(b) for a, b in ((512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)))
+    r = CliRunner().invoke(app, ["bench", "workflow", "--preset", "gpu"], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "paper" in r.output
