@@ -394,9 +394,11 @@ class WorkflowDriver:
                                         limits=limits_mod.Limits(max_connections=n,
                                                                  max_keepalive_connections=n))
 
-    async def run(self, between: Optional[Callable[[], Awaitable[None]]] = None) -> WorkloadResult:
+    async def run(self, between: Optional[Callable[[], Awaitable[None]]] = None,
+                  end: bool = True) -> WorkloadResult:
         """Warm-up rounds, then ``between()`` (e.g. snapshot server counters), then the measured
-        rounds, all workflows concurrently; a barrier separates the two phases."""
+        rounds, all workflows concurrently; a barrier separates the two phases. ``end=False``
+        leaves the workflows open (another client continues them)."""
         spec = self.spec
         result = WorkloadResult()
         trackers = [self.graph.tracker(self.workflow_id(w)) for w in range(spec.workflows)]
@@ -412,6 +414,8 @@ class WorkflowDriver:
                                    for w in range(spec.workflows)))
             result.measured_s = time.perf_counter() - t0
             for w, tr in enumerate(trackers):
+                if not end:
+                    break
                 tr.end()
                 if self.send_hints:
                     from kvflow_agents.protocol import Hints
