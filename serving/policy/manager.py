@@ -583,7 +583,7 @@ class KVCacheManager:
         if agent is not None and agent not in ste:
             ste = {**ste, agent: 0}
         changed, revived = self.hints.update(wf, ste, now=now, step=step,
-                                             client=client or app or None)
+                                             client=client or app or None, agent=agent)
         tags = self._wf_tags.get(wf, ())
         if revived:
             for tag in tags:
@@ -1101,7 +1101,8 @@ class KVCacheManager:
             },
             "loads_in_flight": len(self._loads),
             "workflows": {wf: {"expired": w.expired, "step": w.step, "step_s": w.step_s,
-                               "client": w.client}
+                               "client": w.client, "trusted": w.trusted, "trust": round(w.trust, 3),
+                               "predictions": w.scored, "mispredicted": w.missed}
                           for wf, w in self.hints.workflows.items()},
             "agents": agents,
             "metrics": self.metrics.as_dict(),
