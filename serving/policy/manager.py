@@ -231,6 +231,8 @@ class KVCacheManager:
         self._host_heap: list = []
         self._clock = 0                      # logical LRU clock
         self._evictable = 0                  # pages in unlocked DEVICE nodes
+        self._state_ver = 0                  # bumped on any node state/priority change
+        self._evictable_memo: dict = {}      # _evictable_above results for the current state
         self._loads: list = []               # heap (ready, seq, Load)
         self._seq = itertools.count()
         self._inflight_prefetch = 0
@@ -316,12 +318,21 @@ class KVCacheManager:
 
     def _evictable_above(self, ste: float) -> int:
         """Pages in unlocked device-resident nodes whose priority is strictly larger than
-        ``ste`` (what a prefetch for an agent of that STE may evict). O(nodes)."""
+        ``ste`` (what a prefetch for an agent of that STE may evict). O(nodes), memoised until
+        a node's state, lock or priority changes: a deferred prefetch re-checks its budget on
+        every tick, i.e. every decode step, which must not walk the tree each time."""
+        key = (ste, self._state_ver, self._evictable, self.device.num_free, self.tree.num_nodes)
+        hit = self._evictable_memo.get(key)
+        if hit is not None:
+            return hit
         prio = self.index.priority
         total = 0
         for n in self.tree.iter_nodes():
             if n.state is DEVICE and n.lock_ref == 0 and prio(n) > ste:
                 total += len(n.device_pages)
+        if len(self._evictable_memo) > 64:
+            self._evictable_memo.clear()
+        self._evictable_memo[key] = total
         return total
 
     def prefetch_room(self, ste: float) -> int:
@@ -908,6 +919,7 @@ class KVCacheManager:
     def _reindex(self, n: TreeNode) -> None:
         """(Re)enter ``n`` in the eviction heaps it is a candidate for, with its current key.
         Old entries die lazily: each carries the version it was pushed with."""
+        self._state_ver += 1
         if n.parent is None:
             return
         dev = self._dev_candidate(n)
@@ -932,6 +944,7 @@ class KVCacheManager:
             heapq.heapify(self._host_heap)
 
     def _on_priority_change(self, node: TreeNode, old: float, new: float) -> None:
+        self._state_ver += 1
         # Only candidates need a new heap entry; most tagged nodes have device children.
         if self.policy.uses_priority and (node.n_device_children == 0 or node.host_pages is not None):
             self._reindex(node)
@@ -1110,6 +1123,11 @@ class KVCacheManager:
 
     def check_invariants(self, *, priorities: bool = True) -> None:
         """Assert every structural invariant (tests; O(nodes), O(nodes x depth) with priorities)."""
+        prio = self.index.priority
+        for ste in (0, 1, 2, INF):  # the memoised prefetch budget equals a fresh count
+            fresh = sum(len(n.device_pages) for n in self.tree.iter_nodes()
+                        if n.state is DEVICE and n.lock_ref == 0 and prio(n) > ste)
+            assert self._evictable_above(ste) == fresh, (ste, fresh)
         dev_seen: set[int] = set()
         host_seen: set[int] = set()
         evictable = 0
