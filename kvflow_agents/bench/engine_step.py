@@ -231,9 +231,10 @@ def _instrument(eng, timers: _Timers, full: bool) -> Callable[[], None]:
             s = stream(*a, **kw)
             return _Proxy(s, "detokenise", timers)
         setattr_saved(tok, "stream", timed_stream)
-        if hasattr(engine_mod, "sample_token"):
-            saved.append((engine_mod, "sample_token", engine_mod.sample_token))
-            engine_mod.sample_token = timers.wrap("sampling", engine_mod.sample_token)
+        for name in ("sample_tokens", "sample_token"):  # the engine's sampling entry point
+            if hasattr(engine_mod, name):
+                saved.append((engine_mod, name, getattr(engine_mod, name)))
+                setattr(engine_mod, name, timers.wrap("sampling", getattr(engine_mod, name)))
     eng.call(install)
 
     def undo(e=eng) -> None:
