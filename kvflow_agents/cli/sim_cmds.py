@@ -63,14 +63,15 @@ def _bar(total: int, label: str, enabled: bool, console):
         yield lambda desc="": prog.update(task, advance=1, description=f"{label} {desc}")
 
 
-def _run_policies(prof, wl, pols, console, progress: bool, **kw):
+def _run_policies(prof, wl, pols, console, progress: bool, workflow_admission: bool = False, **kw):
     from kvflow_agents.serving.sim import Simulator
 
     out = {}
     with _bar(len(pols), "simulating", progress, console) as step:
         for p in pols:
             try:
-                out[p] = Simulator(prof, wl, p, **kw).run()
+                out[p] = Simulator(prof, wl, p, workflow_admission=workflow_admission and p == "kvflow",
+                                   **kw).run()
             except ValueError as e:
                 raise typer.BadParameter(str(e)) from None
             step(p)
@@ -113,6 +114,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         page_size: int = typer.Option(64, min=1, help="Tokens per KV page."),
         lookahead: int = typer.Option(1, min=0, help="Prefetch lookahead (STE)."),
         layerwise: bool = typer.Option(True, help="Layer-wise overlap of on-demand loads (HiCache)."),
+        workflow_admission: bool = typer.Option(
+            False, help="kvflow only: when the pending workflows' working sets exceed the pool, admit "
+                        "whole workflows (oldest first) while they fit; the others wait."),
         policies: str = typer.Option(_POLICIES, help="Comma-separated policies."),
         seed: int = typer.Option(0, help="Seed (PEER token lengths)."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write results as JSON ('-': stdout only)."),
@@ -146,7 +150,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter(str(e)) from None
         console = Console(stderr=json_out == "-")
         res = _run_policies(prof, wl, pols, console, progress and json_out != "-", lookahead=lookahead,
-                            layerwise=layerwise)
+                            layerwise=layerwise, workflow_admission=workflow_admission)
         title = f"kvflow sim run: {wl.name} on {prof.name} (link {prof.link_gbps} GB/s)"
         _report_run(console, res, wl, prof, title, json_out, plot_out)
 

@@ -137,6 +137,7 @@ class Req:
     generated: int = 0
     first_token: Optional[float] = None
     done: Optional[float] = None
+    hint: Optional[tuple] = None  # (ste, step) not yet applied (its workflow is held back)
 
 
 @dataclass(eq=False)
@@ -174,7 +175,8 @@ class Simulator:
                  lookahead: int = 1, max_inflight_loads: int = 4, max_running: int = 256,
                  max_prefill_tokens: int = 16384, lease_s: float = 3600.0,
                  layerwise: bool = True, reserve: bool = True,
-                 load_vs_recompute: Optional[bool] = None) -> None:
+                 load_vs_recompute: Optional[bool] = None,
+                 workflow_admission: bool = False) -> None:
         self.p = profile
         self.w = workload
         self.policy = get_policy(policy)
@@ -211,6 +213,15 @@ class Simulator:
                                   reserve_pages=self._reserve if reserve else 0,
                                   recompute_cost=rec)
         self.max_running, self.max_prefill = max_running, max_prefill_tokens
+        # Workflow-aware admission (opt-in): when the workflows with work pending need more
+        # device memory than there is, admit whole workflows (oldest first) while their
+        # working sets fit, and let the others wait at their next request (their hints are
+        # applied when they get in), instead of admitting request by request. Measured in
+        # serving/sim/RESULTS.md: per-round latency of the admitted workflows drops, but in
+        # the decode-bound A10G configs the smaller running batch costs throughput (makespan),
+        # so it is not the default.
+        self.workflow_admission = workflow_admission
+        self._active: dict = {}        # workflow id -> working-set estimate (tokens), in order
         self.layerwise = layerwise
         self.tokens = Tokens()
         self.events: list = []
@@ -228,6 +239,7 @@ class Simulator:
         wf.step += 1
         if wf.step >= len(wf.plan.steps):
             self.mgr.release_workflow(wf.plan.id)
+            self._active.pop(wf.plan.id, None)
             return
         st = wf.plan.steps[wf.step]
         at = st.at if st.at is not None else t + st.gap_s
@@ -240,7 +252,12 @@ class Simulator:
         for c in st.calls:
             prompt = self.tokens.fixed(c.fixed_key, c.fixed) + self.tokens.unique(c.dynamic)
             req = Req(wf, c, prompt, self.tokens.unique(c.output), self.t, st.measured)
-            self.mgr.update_hints(wf.plan.id, st.ste, agent=c.agent, step=wf.step, now=self.t)
+            if self.workflow_admission and self._active and wf.plan.id not in self._active:
+                # held back by workflow-aware admission: its hint would protect (STE 0) a
+                # prefix it cannot use yet; it is applied when the workflow is admitted
+                req.hint = (st.ste, wf.step)
+            else:
+                self.mgr.update_hints(wf.plan.id, st.ste, agent=c.agent, step=wf.step, now=self.t)
             self.waiting.append(req)
 
     def _finish(self, r: Req) -> None:
@@ -264,16 +281,58 @@ class Simulator:
             self._schedule_step(wf, wf.client_done)
 
     # ------------------------------------------------------------------ scheduler
+    @staticmethod
+    def _working_set(r: Req) -> int:
+        """Device tokens a workflow needs while this request runs: the request itself and room
+        for its next agent's fixed prefix (prefetched behind it)."""
+        return len(r.prompt) + len(r.out) + r.call.fixed
+
+    def _admissible_workflows(self) -> Optional[set]:
+        """Workflow-aware admission: ``None`` when every workflow with pending work fits (no
+        gate); else the active set, grown by the oldest waiting workflows while it fits."""
+        if not self.workflow_admission:
+            return None
+        cap = self.mgr.device.capacity * self.ps
+        demand: dict = {}
+        for r in self.running + self.waiting:
+            wid = r.wf.plan.id
+            demand[wid] = max(demand.get(wid, 0), self._working_set(r))
+        if sum(demand.values()) <= cap:
+            self._active = dict(demand)
+            return None
+        active = self._active
+        for wid in list(active):
+            if wid in demand:
+                active[wid] = demand[wid]
+        used = sum(active.values())
+        for r in self.waiting:  # FIFO by the arrival of their waiting request
+            wid = r.wf.plan.id
+            if wid in active:
+                continue
+            if used + demand[wid] > cap and active:
+                break
+            active[wid] = demand[wid]
+            used += demand[wid]
+        return set(active)
+
     def _admit(self) -> list[Req]:
         mgr, ps = self.mgr, self.ps
         admitted, keep, budget = [], [], self.max_prefill
         self._admitting = admitted
         aware = self.policy.status_aware
         blocked = False
+        gate = self._admissible_workflows()
         for r in self.waiting:
             if blocked or budget <= 0 or len(self.running) + len(admitted) >= self.max_running:
                 keep.append(r)
                 continue
+            if gate is not None and r.wf.plan.id not in gate:
+                keep.append(r)   # its workflow waits for room (workflow-aware admission)
+                continue
+            if r.hint is not None:
+                ste, step = r.hint
+                mgr.update_hints(r.wf.plan.id, ste, agent=r.call.agent, step=step, now=self.t)
+                r.hint = None
             if aware and mgr.status(r.prompt, record=True) is LOADING:
                 self._wait(r, self._loading_ready(r.prompt))
                 keep.append(r)
