@@ -317,3 +317,18 @@ def test_paper_regime_target_and_fit():
     assert all(noisy(a) < noisy(b) for a, b in ((512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)))
     r = CliRunner().invoke(app, ["bench", "workflow", "--preset", "gpu"], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "paper" in r.output
+
+
+def test_cache_cost_saving_from_counters():
+    """Recomputed tokens x calibrated s/token + exposed load: the saving ratio on it."""
+    def res(p, miss, exposed):
+        return PolicyResult(p, {"miss_rate": miss, "prompt_tokens": 1000, "workflow_latency_p50_s": 1.0},
+                            {"load_exposed_s": exposed})
+    rs = [res("lru", 1.0, 0.0), res("hicache", 0.1, 2.0), res("kvflow", 0.06, 0.1), res("oracle", 0.05, 0.0)]
+    spt = report.annotate_cache_cost(rs, {"calibration": {"recompute_s": 0.5, "prefix_tokens": 100}})
+    assert spt == 0.005
+    assert [r.workload["cache_cost_s"] for r in rs] == pytest.approx([5.0, 2.5, 0.4, 0.25])
+    cs = report.cost_saving(rs)
+    assert cs["kvflow"]["lru"] == pytest.approx(4.6 / 4.75) and cs["kvflow"]["hicache"] == pytest.approx(2.1 / 2.25)
+    assert report.annotate_cache_cost(rs, {}) is None
+    assert "cost saving vs lru" in dict(report.rows(rs, wide=False))
