@@ -572,6 +572,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         except RuntimeError as e:
             console.print(f"[red]error:[/] {escape(str(e))}")
             raise typer.Exit(1) from None
+        finally:
+            if not keep:
+                import shutil
+
+                shutil.rmtree(work, ignore_errors=True)
         doc = report.to_json(meta, results, ())
         if json_out == "-":
             sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
@@ -580,7 +585,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 console.print(ap.markdown(results), highlight=False, soft_wrap=True)
             else:
                 console.print(ap.render_table(results, title))
-            console.print(f"[dim]AIPerf command (per policy): {escape(meta['aiperf_command'])}[/]")
+            console.print(f"[dim]AIPerf command (per policy; the paths are a temporary directory unless "
+                          f"--keep): {escape(meta['aiperf_command'])}[/]")
             if keep:
                 console.print(f"[dim]AIPerf artifacts kept in {keep}[/]")
             if json_out:
