@@ -193,8 +193,11 @@ class KVCacheManager:
                  infer_window: int = 3, partial_eviction: bool = True,
                  reserve_pages: "int | Callable[[], int]" = 0,
                  recompute_s_per_token: float | None = None,
-                 recompute_cost: Callable[[int, int], float] | None = None) -> None:
+                 recompute_cost: Callable[[int, int], float] | None = None,
+                 min_partial_prefetch_pages: int = 4) -> None:
         self.policy = get_policy(policy)
+        # a prefetch that does not fit loads its head when at least this many pages do (0: off)
+        self.min_partial_prefetch_pages = min_partial_prefetch_pages
         self.page_size = page_size
         self.backend = backend if backend is not None else NullTransferBackend()
         self.tree = RadixTree(page_size, on_split=self._on_split)
@@ -233,6 +236,7 @@ class KVCacheManager:
         self._evictable = 0                  # pages in unlocked DEVICE nodes
         self._state_ver = 0                  # bumped on any node state/priority change
         self._evictable_memo: dict = {}      # _evictable_above results for the current state
+        self._idle_plan = None               # state signature of the last plan that started nothing
         self._loads: list = []               # heap (ready, seq, Load)
         self._seq = itertools.count()
         self._inflight_prefetch = 0
@@ -823,6 +827,13 @@ class KVCacheManager:
     # ================================================================ prefetch
     def _prefetch(self, now: float) -> list:
         self._poll_loads(now)
+        # Planned on every tick (= every decode step): when nothing the plan depends on changed
+        # since a plan that started nothing, it would start nothing again (deadlines and the
+        # link's backlog shrink together as time passes), so skip the candidate walk.
+        sig = (self._state_ver, len(self._near), len(self._host_tags), self._inflight_prefetch,
+               self.device.num_free, self._evictable, self.lookahead)
+        if sig == self._idle_plan:
+            return []
         cands = []
         records, index, hints = self._records, self.index, self.hints
         near, host_tags = self._near, self._host_tags
@@ -883,7 +894,18 @@ class KVCacheManager:
                                            or free + self._evictable_above(c.ste) - reserve < k):
                     pending.add(c.tag)
                     self.metrics.prefetch_budget_skips += 1
-                    continue
+                    # Partial prefetch: the room there is now, for the head of the prefix (a
+                    # prefix of a prefix is valid KV); the rest is planned again next tick or
+                    # loaded on demand. Hides part of the load instead of none of it.
+                    room = free - reserve + min(self._evictable, self._evictable_above(c.ste))
+                    part = (self._prefetch_head(c.tag, host_nodes, room)
+                            if self.min_partial_prefetch_pages
+                            and room >= self.min_partial_prefetch_pages else None)
+                    if part is None:
+                        continue
+                    host_nodes, k = part
+                    node = host_nodes[-1]
+                    self.metrics.prefetch_partial += 1
             self.lock(node)
             try:
                 ld = self._start_load(host_nodes, "prefetch", "prefetch", c.ste, now, c.tag)
@@ -902,7 +924,30 @@ class KVCacheManager:
             self.metrics.prefetch_pages += ld.pages
         self.metrics.prefetch_deferred += len(pending - previously)
         self._pending = pending
+        self._idle_plan = None if started else sig
         return started
+
+    def _prefetch_head(self, tag: Tag, host_nodes: list[TreeNode], room: int):
+        """Split the host-only part of ``tag``'s path after ``room`` pages; returns (the host
+        nodes of the head, their pages), or ``None`` when no whole page fits."""
+        ps = self.page_size
+        tokens = self._records[tag].tokens
+        host_tokens = sum(len(n.key) for n in host_nodes)
+        start = len(tokens) - host_tokens
+        cut = start + min(room, host_tokens // ps - 1) * ps
+        if cut <= start:
+            return None
+        path, m = self.tree.match(tokens[:cut], split=True)
+        if m < cut:
+            return None
+        nodes, n = [], path[-1]
+        while n.state is HOST:
+            nodes.append(n)
+            n = n.parent
+        if not nodes:
+            return None
+        nodes.reverse()
+        return nodes, sum(len(x.host_pages) for x in nodes)
 
     # ================================================================ eviction
     def _dev_candidate(self, n: TreeNode) -> bool:
