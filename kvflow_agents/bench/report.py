@@ -215,10 +215,14 @@ def _fmt(v: Any, kind: str) -> str:
 
 
 def _range(xs: Sequence[Optional[float]], kind: str) -> str:
+    """``lo-hi`` in at most 11 characters (seconds >= 10 with one decimal)."""
     xs = [x for x in xs if x is not None]
     if not xs:
         return "-"
-    lo, hi = _fmt(min(xs), kind), _fmt(max(xs), kind)
+    if kind == "s" and max(xs) >= 10:
+        lo, hi = f"{min(xs):.1f}", f"{max(xs):.1f}"
+    else:
+        lo, hi = _fmt(min(xs), kind), _fmt(max(xs), kind)
     return lo if lo == hi else f"{lo}-{hi}"
 
 
