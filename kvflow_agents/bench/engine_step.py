@@ -94,7 +94,15 @@ class _Proxy:
         if callable(v) and not name.startswith("__") and not isinstance(v, type):
             w = self._cache.get(name)
             if w is None or w.__wrapped__ is not v:
-                w = self._timers.wrap(self._c, v)
+                timed = self._timers.wrap(self._c, v)
+
+                def w(*a, _timed=timed, **kw):
+                    out = _timed(*a, **kw)
+                    # a per-request session of the cache protocol is cache work too
+                    if type(out).__name__.endswith("Session"):
+                        return _Proxy(out, self._c, self._timers)
+                    return out
+                w.__wrapped__ = v  # type: ignore[attr-defined]
                 self._cache[name] = w
             return w
         return v
