@@ -59,6 +59,6 @@ def test_distrusted_workflow_pins_nothing_and_prefetches_nothing():
         m.update_hints("w", _cycle(i, reverse=True), agent=AGENTS[i], plan=False)
     snap = m.snapshot()["workflows"]["w"]
     assert snap["trusted"] is False and snap["mispredicted"] >= 3
-    assert all(m._effective_ste(("w", a)) == INF for a in AGENTS)
-    assert not m._near                                        # nothing to prefetch
+    assert all(m.tags.effective_ste(("w", a)) == INF for a in AGENTS)
+    assert not m.tags.near                                    # nothing to prefetch
     m.check_invariants()
