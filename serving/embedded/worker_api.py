@@ -111,9 +111,7 @@ def flush(engine) -> tuple[bool, str]:
         q = eng.scheduler.counts()
         if sum(q.values()) or eng.manager.loads_in_flight:
             return False, "requests or loads in flight; nothing flushed"
-        mgr = eng.manager
-        dev = mgr._evict_device(mgr.device.num_used, "flush")
-        host = mgr._evict_host(mgr.host.num_used, -math.inf) if mgr.host.capacity else 0
+        dev, host = eng.manager.flush()
         return True, f"flushed {dev} device and {host} host pages"
     return engine.call(run)
 

@@ -160,6 +160,13 @@ class Evictor:
         self._reindex(parent)
         return k
 
+    def flush(self) -> tuple[int, int]:
+        """Drop every unlocked cached prefix, device then host, as SGLang's ``/flush_cache``.
+        Returns ``(device_pages, host_pages)`` freed; locked nodes and loads in flight stay."""
+        dev = self._evict_device(self.device.num_used, "flush")
+        host = self._evict_host(self.host.num_used, float("-inf")) if self.host.capacity else 0
+        return dev, host
+
     # ------------------------------------------------------------------ host
     def _evict_host(self, need: int, for_priority: float) -> int:
         freed = 0

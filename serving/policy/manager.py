@@ -247,6 +247,10 @@ class KVCacheManager:
     def insert(self, tokens: Sequence[int], device_pages: Sequence[int]) -> TreeNode:
         return self.store.insert(tokens, device_pages)
 
+    def flush(self) -> tuple[int, int]:
+        """Drop every unlocked cached prefix (device, then host): ``(device, host)`` pages."""
+        return self.store.flush()
+
     def residency(self, node: TreeNode | None) -> str:
         return self.store.residency(node)
 
