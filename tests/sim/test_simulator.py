@@ -330,16 +330,16 @@ def test_tables_fit_80_columns():
     from kvflow_agents.cli.main import app
 
     env = {"COLUMNS": "80"}
-    for args in (["sim", "paper", "--quick", "--only", "concurrent-sized", "--no-progress"],
-                 ["sim", "sweep", "--concurrency", "1,64", "--bandwidth", "0.05,0.1,0.25,0.5,1,2,4,8,16,64",
-                  "--fixed", "512", "--no-progress"],
+    for args in (["sim", "paper", "--quick", "--only", "single-h100", "--no-progress"],
+                 ["sim", "sweep", "--concurrency", "1,128", "--bandwidth", "0.05,0.1,0.25,0.5,1,2,4,8,16,64",
+                  "--fixed", "64", "--dynamic", "8", "--output", "8", "--no-progress"],
                  ["sim", "run", "--fixed", "1024", "--agents", "4", "--rounds", "1", "--no-progress"]):
         r = CliRunner().invoke(app, args, env=env)
         assert r.exit_code == 0, r.output
         lines = r.output.splitlines()
         assert max(len(x) for x in lines) <= 80, args
         assert "…" not in r.output, args
-    r = CliRunner().invoke(app, ["sim", "paper", "--quick", "--only", "concurrent-sized", "--no-progress",
+    r = CliRunner().invoke(app, ["sim", "paper", "--quick", "--only", "single-h100", "--no-progress",
                                  "--wide"], env={"COLUMNS": "160"})
     assert r.exit_code == 0 and "hicache s" in r.output and "oracle s" in r.output
 
