@@ -60,13 +60,32 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from kvflow_agents.serving.policy import CacheFullError
 
-from .engine_config import EngineConfig, EngineInputError, params_from_kwargs, sample_token
+from .engine_config import EngineConfig, EngineInputError, params_from_kwargs, sample_tokens
 from .scheduler import (Completion, Request, RequestState, SamplingParams, Scheduler,
                         StreamEvent)
 
 __all__ = ["Engine", "EngineConfig", "EngineInputError", "Completion", "StreamEvent", "SamplingParams"]
 
 log = logging.getLogger("kvflow.engine")
+
+
+class _LoopSink:
+    """The sink of a request streamed to an asyncio loop (:meth:`Engine.stream`); the engine
+    batches its events per loop and step instead of calling it."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop, q) -> None:
+        self.loop, self.queue = loop, q
+
+    def __call__(self, ev) -> None:  # direct use (outside the engine thread's batching)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+
+
+def _deliver(items) -> None:
+    """On the event loop: put a step's events on their requests' queues, in order."""
+    for q, ev in items:
+        q.put_nowait(ev)
 
 
 class Engine:
@@ -116,6 +135,7 @@ class Engine:
                          "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0,
                          "hints_rejected": 0, "hints_accepted": 0, "steps": 0, "decode_steps": 0}
         self._snapshot: dict = {}
+        self._outbox: dict = {}            # event loop -> [(queue, event)] of this step
         self._published = 0.0
         self.recorder = None
         if cfg.record_path:
@@ -273,7 +293,7 @@ class Engine:
         events. Leaving the iteration early (client gone) aborts the request and frees its pages."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        req.sink = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+        req.sink = _LoopSink(loop, q)  # batched: one hand-off per loop per engine step
         self.submit(req)
         finished = False
         try:
@@ -313,9 +333,11 @@ class Engine:
                     for r in list(self.scheduler.running):
                         self._finish(r, "error", error="internal engine error")
                     progress = False
+                self._flush_outbox()
                 self._publish(force=not progress)
         for r in list(self._requests.values()):
             self._finish(r, "abort", error="engine shut down")
+        self._flush_outbox()
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -330,6 +352,7 @@ class Engine:
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
+                self._flush_outbox()  # e.g. an abort's final event
                 return
 
     def _idle_timeout(self) -> float:
@@ -440,7 +463,7 @@ class Engine:
             req.prefilled += k
             if req.prefilled == n:
                 req.session.commit()  # the prompt joins the tree; the fixed prefix is tagged
-                self._emit(req, sample_token(logits, req.params, req.generator))
+                self._emit(req, sample_tokens(logits[None], [req.params], [req.generator])[0])
         return did
 
     def _ensure_device_capacity(self) -> None:
@@ -463,8 +486,9 @@ class Engine:
             self.pool.wait_loads()
         logits = self.model.decode_batch(self.pool.device_kv, seqs)
         self.counters["decode_steps"] += 1
-        for i, r in enumerate(running):
-            self._emit(r, sample_token(logits[i], r.params, r.generator))
+        toks = sample_tokens(logits, [r.params for r in running], [r.generator for r in running])
+        for r, tok in zip(running, toks):
+            self._emit(r, tok)
 
     def _emit(self, req: Request, tok: int) -> None:
         req.output_ids.append(tok)
@@ -484,10 +508,27 @@ class Engine:
             self._finish(req, reason)
 
     def _send(self, req: Request, ev: StreamEvent) -> None:
+        sink = req.sink
+        if type(sink) is _LoopSink:  # collected; _flush_outbox hands them over once per step
+            self._outbox.setdefault(sink.loop, []).append((sink.queue, ev))
+            return
         try:
-            req.sink(ev)
+            sink(ev)
         except Exception:  # e.g. the client's event loop is gone
             log.debug("sink of %s failed", req.rid, exc_info=True)
+
+    def _flush_outbox(self) -> None:
+        """One ``call_soon_threadsafe`` per event loop for everything this step produced (a
+        per-token hand-off wakes the loop, and takes the GIL from this thread, once per token
+        per request)."""
+        if not self._outbox:
+            return
+        box, self._outbox = self._outbox, {}
+        for loop, items in box.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: its clients are gone
+                log.debug("event loop closed; %d stream events dropped", len(items))
 
     def _abort(self, rid: str) -> None:
         req = self._requests.get(rid)

@@ -72,7 +72,8 @@ class KVCacheManager:
                  reserve_pages: "int | Callable[[], int] | None" = None,
                  reserve_window: int | None = None,
                  recompute_s_per_token: float | None = None,
-                 recompute_cost: Callable[[int, int], float] | None = None) -> None:
+                 recompute_cost: Callable[[int, int], float] | None = None,
+                 min_partial_prefetch_pages: int = 4) -> None:
         self.policy = get_policy(policy)
         self.page_size = page_size
         self.backend = backend if backend is not None else NullTransferBackend()
@@ -93,7 +94,8 @@ class KVCacheManager:
         self.prefetcher = Prefetcher(self.tags, self.loads, self.metrics, self.store,
                                      page_size=page_size, max_inflight=max_inflight_loads,
                                      default_step_s=default_step_s,
-                                     reserve=self._session_reserve if reserve_pages is None else reserve_pages)
+                                     reserve=self._session_reserve if reserve_pages is None else reserve_pages,
+                                     min_partial_pages=min_partial_prefetch_pages)
         self._waiting: dict[int, RequestSession] = {}   # arrival order
         self._running: dict[int, RequestSession] = {}
 

@@ -172,7 +172,7 @@ class TagBook:
         if agent is not None and agent not in ste:
             ste = {**ste, agent: 0}
         changed, revived = self.hints.update(wf, ste, now=now, step=step,
-                                             client=client or app or None)
+                                             client=client or app or None, agent=agent)
         if revived:
             for tag in self.wf_tags.get(wf, ()):
                 self.refresh(tag)
