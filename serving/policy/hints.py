@@ -70,9 +70,10 @@ class HintRegistry:
         prev = w.ste
         if not prev:
             return False
-        got = prev.get(agent, INF)
-        nearest = min((v for v in prev.values() if 0 < v < INF), default=0.0)
-        hit = got <= nearest
+        nearest = min((v for v in prev.values() if 0 < v < INF), default=None)
+        if nearest is None:
+            return False  # the map named no future agent (only running ones): nothing to score
+        hit = prev.get(agent, INF) <= nearest
         w.scored += 1
         w.missed += not hit
         w.trust = (1 - self.trust_ema) * w.trust + self.trust_ema * (1.0 if hit else 0.0)
