@@ -30,6 +30,19 @@ What happens:
   ``prompt_cache_breakpoint``), see :mod:`kvflow_agents.fixed_prefix`.
 * **Tool nodes** — ``add_node(..., metadata={"kvflow": {"llm": False}})``, a prebuilt
   ``ToolNode``, or ``instrument(graph, tool_nodes=[...])``: they take a step, send no request.
+  A tool node that hands off (``Command(goto=..., graph=Command.PARENT)``, as the handoff tools
+  of langgraph-supervisor and langgraph-swarm) finishes its step when it raises the command.
+* **Prebuilt multi-agent apps** — ``create_react_agent``, ``create_supervisor`` (workers are
+  inlined: ``math_expert/agent``, ``math_expert/tools``) and ``create_swarm`` read as any graph
+  (:mod:`.langgraph_asg`: handoff tools are the conditional edges).
+* **Learned transitions** — each workflow's tracker is a
+  :class:`~kvflow_agents.graph.learned.LearnedTracker`: where an LLM picks the next agent (a
+  supervisor's routing, a swarm hand-off, a ReAct agent calling a tool or answering), the hints
+  carry the *expected* STE from transition counts learned per app (``app_id``), never below the
+  exact one. ``model=`` a :class:`~kvflow_agents.graph.learned.TransitionModel` (default: one
+  per process, shared with the AutoGen adapter), ``learn=False`` freezes it, ``transitions=``
+  a JSON file (or env ``KVFLOW_TRANSITIONS``) persists it across runs and processes,
+  ``recorder=`` a ``TraceRecorder`` keeps the runs (``kvflow bench predict --traces``).
 * **Out of band** — a step that runs a tool node (``llm=False``) posts a ``transition``; the end
   of a run (not a pause at an interrupt) releases the workflow with ``end`` (all STE null).
 """
@@ -46,13 +59,14 @@ from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.runnables.config import var_child_runnable_config
-from langgraph.errors import GraphInterrupt
+from langgraph.errors import GraphInterrupt, ParentCommand
 from langgraph.graph import StateGraph
 from langgraph.graph.state import CompiledStateGraph
 
 from .. import autopatch
 from ..context import register_hint_provider
 from ..graph import INF, AgentStepGraph, GraphError, WorkflowTracker
+from ..graph.learned import LearnedTracker, TraceRecorder, TransitionModel, default_model, predicted_next
 from ..oob import HintReporter
 from ..protocol import MAX_ID_LEN, Hints
 from .langgraph_asg import ASGInfo, KVFlowGraphWarning, build_asg, node_is_llm
@@ -72,9 +86,9 @@ MAX_WORKFLOWS = 4096  # per instrumented app; least recently used paused threads
 DEFAULT_GRAPH_NAME = "LangGraph"
 
 
-class _Tracker(WorkflowTracker):
-    """A tracker that can also drop a running agent without it arriving anywhere (a node
-    paused by ``interrupt()`` runs again from the start on resume)."""
+class _Tracker(LearnedTracker):
+    """A learning tracker that can also drop a running agent without it arriving anywhere (a
+    node paused by ``interrupt()`` runs again from the start on resume)."""
 
     def cancel(self, agent: str) -> None:
         with self._lock:
@@ -138,10 +152,15 @@ class LangGraphInstrumentation:
     """Runtime state of one instrumented graph: its Agent Step Graph and one tracker per
     workflow (thread). Reached as ``app.kvflow``."""
 
-    def __init__(self, info: ASGInfo, app_id: str, hints_url: Optional[str] = None) -> None:
+    def __init__(self, info: ASGInfo, app_id: str, hints_url: Optional[str] = None, *,
+                 model: Optional[TransitionModel] = None, learn: bool = True,
+                 recorder: Optional[TraceRecorder] = None) -> None:
         self.info = info
         self.graph: AgentStepGraph = info.graph
         self.app_id = app_id
+        self.model = model if model is not None else default_model()
+        self.learn = learn
+        self.recorder = recorder
         self.reporter = HintReporter(hints_url)
         self.handler = _Handler(self)
         self._lock = threading.RLock()
@@ -175,7 +194,9 @@ class LangGraphInstrumentation:
             if not create:
                 return None
             wire = wid if 0 < len(wid) <= MAX_ID_LEN else "sha1:" + hashlib.sha1(wid.encode()).hexdigest()
-            wf = _Workflow(wid, _Tracker(self.graph, workflow_id=wid), wire_id=wire)
+            wf = _Workflow(wid, _Tracker(self.graph, self.model, app=self.app_id, workflow_id=wid,
+                                         learn=self.learn, recorder=self.recorder, min_evidence=1),
+                           wire_id=wire)
             self._workflows[wid] = wf
             while len(self._workflows) > MAX_WORKFLOWS:
                 self._workflows.popitem(last=False)
@@ -256,6 +277,8 @@ class LangGraphInstrumentation:
                         wf.completed.add(node[1])
                     elif isinstance(error, GraphInterrupt):
                         wf.interrupted = True
+                    elif isinstance(error, ParentCommand):  # a hand-off: done, its loop is over
+                        self._finish_handoff(wf, node[1])
                 if not _PATCHED:
                     self._fallback_finish(wf, node[1], error)
         root = self._root_of.pop(run_id, None)
@@ -280,9 +303,29 @@ class LangGraphInstrumentation:
             self.reporter.report(Hints(workflow=wf.wire_id, agent=END_AGENT, step=step,
                                        ste=t.ste(), next=[], app=self.app_id, event="end"),
                                  event="end")
+            if self.learn:
+                self.model.flush()  # persist what this run taught (when bound to a file)
             if wf.id.startswith("run-"):  # nothing can resume a run without a thread
                 with self._lock:
                     self._workflows.pop(wf.id, None)
+
+    @staticmethod
+    def _finish_handoff(wf: _Workflow, ns: str) -> None:
+        """The task ``ns`` raised ``Command(graph=Command.PARENT)``: it finished (its step ends
+        with it; the loop it ran in stops without an ``after_tick``)."""
+        for key, ls in list(wf.loops.items()):
+            for i, (agent, n) in enumerate(ls.started):
+                if n == ns:
+                    del ls.started[i]
+                    try:
+                        wf.tracker.finish(agent)
+                    except GraphError:
+                        pass
+                    wf.task_step.pop(ns, None)
+                    wf.version += 1
+                    if not ls.started and not ls.root:
+                        del wf.loops[key]
+                    return
 
     @staticmethod
     def _settle(wf: _Workflow) -> None:
@@ -437,10 +480,8 @@ class LangGraphInstrumentation:
         cached = wf.hints_cache.get((agent, step))
         if cached is not None and cached[0] == wf.version:
             return cached[1]
-        ste = wf.tracker.ste()  # a copy, cached by the tracker until the next transition
-        finite = [v for v in ste.values() if 0 < v < INF]
-        best = min(finite) if finite else None
-        nxt = [a for a, v in ste.items() if v == best] if finite else []
+        ste = wf.tracker.wire_ste()  # expected STE (learned), never below the exact one
+        nxt = predicted_next(ste)
         # Our own values (ids checked when the workflow was created): skip re-validation.
         h = Hints.model_construct(workflow=wf.wire_id, agent=agent, step=step, ste=ste, next=nxt,
                                   app=self.app_id, fixed_messages=None, event=None)
@@ -648,7 +689,9 @@ def _default_app_id(compiled: Any, graph: AgentStepGraph) -> str:
 
 
 def instrument(graph: Any, *, app_id: Optional[str] = None, hints_url: Optional[str] = None,
-               tool_nodes: Iterable[str] = (), warn: bool = True, **compile_kwargs: Any) -> Any:
+               tool_nodes: Iterable[str] = (), warn: bool = True, model: Optional[TransitionModel] = None,
+               learn: bool = True, transitions: Any = None, recorder: Optional[TraceRecorder] = None,
+               **compile_kwargs: Any) -> Any:
     """Instrument a LangGraph ``StateGraph`` (compiled here with ``compile_kwargs``) or a
     compiled ``StateGraph``. Returns a compiled graph with ``.kvflow_graph`` (the Agent Step
     Graph) and ``.kvflow`` (:class:`LangGraphInstrumentation`).
@@ -658,6 +701,7 @@ def instrument(graph: Any, *, app_id: Optional[str] = None, hints_url: Optional[
     requests go). ``tool_nodes``: node names (``"sub/inner"`` for subgraph nodes) that send no
     LLM request, besides those marked ``metadata={"kvflow": {"llm": False}}`` and prebuilt
     ``ToolNode``\\ s. ``warn=False`` silences :class:`KVFlowGraphWarning`.
+    ``model`` / ``learn`` / ``transitions`` / ``recorder``: learned transitions (module doc).
     """
     existing = getattr(graph, "kvflow", None)
     if isinstance(existing, LangGraphInstrumentation):
@@ -680,7 +724,11 @@ def instrument(graph: Any, *, app_id: Optional[str] = None, hints_url: Optional[
                         f"StateGraph, got {type(graph).__module__}.{type(graph).__qualname__}")
     info = build_asg(compiled, app_id or getattr(compiled, "name", None) or "workflow",
                      tool_nodes=tool_nodes, warn=warn)
-    inst = LangGraphInstrumentation(info, app_id or _default_app_id(compiled, info.graph), hints_url)
+    model = model if model is not None else default_model()
+    if transitions is not None:
+        model.bind_file(transitions)
+    inst = LangGraphInstrumentation(info, app_id or _default_app_id(compiled, info.graph), hints_url,
+                                    model=model, learn=learn, recorder=recorder)
     out = compiled.with_config(callbacks=[inst.handler])
     out.kvflow_graph = info.graph
     out.kvflow = inst

@@ -7,7 +7,11 @@ What a request can ask for (:class:`GrammarSpec`, built by :func:`spec_for_reque
   reasoning off): free text until the model writes ``<tool_call>``, then a call whose
   ``arguments`` follow that function's JSON schema (``auto``); at least one call, and nothing but
   calls (``required``: every call tag begins at once); exactly one call to the named function
-  (named). ``parallel_tool_calls=false`` stops after the first call. ``"none"``: no grammar.
+  (named). ``parallel_tool_calls=false`` stops after the first call. ``"none"``: the tools stay
+  in the prompt (the agent's cached prefix does not change) and the text may not contain
+  ``<tool_call`` (a call ban, as NVIDIA Dynamo's). In ``auto`` and ``none`` the free text may
+  not contain ``<tool_response`` either: only the template writes tool results (a small model
+  imitates the turn it just read).
 * ``response_format``: ``{"type": "json_object"}`` (any JSON object) or
   ``{"type": "json_schema", "json_schema": {"schema": ..., "strict": ...}}``; ``"text"``: none.
 * SGLang's extensions ``regex`` and ``ebnf`` (one constraint per request).
@@ -38,6 +42,7 @@ from .tool_calls import tool_names
 
 MAX_WHITESPACE = 1   # inside tool-call arguments: a small model otherwise pads JSON with newlines
 SEPARATOR = ""       # between parallel calls ("" keeps a small model from looping on "\n<tool_call>")
+NEVER_WRITTEN = ("<tool_response", "</tool_response")  # template-only markers (auto mode)
 INSTALL_HINT = "pip install --no-deps 'xgrammar>=0.2.8' apache-tvm-ffi transformers"
 
 
@@ -63,8 +68,10 @@ class GrammarSpec:
 
 
 # ------------------------------------------------------------------ request -> spec
-def tool_choice_mode(tool_choice: Any, tools: Optional[Sequence[dict]]) -> tuple[str, Optional[str]]:
-    """``(mode, name)``: mode ``none`` | ``auto`` | ``required`` | ``named``. OpenAI's default is
+def tool_choice_mode(tool_choice: Any, tools: Optional[Sequence[dict]]) -> tuple[str, Any]:
+    """``(mode, names)``: mode ``none`` | ``auto`` | ``required`` | ``named`` (names: the one
+    name) | ``allowed_auto`` / ``allowed_required`` (names: the allowed subset, OpenAI's
+    ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}``). OpenAI's default is
     ``auto`` with tools and ``none`` without."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -79,8 +86,22 @@ def tool_choice_mode(tool_choice: Any, tools: Optional[Sequence[dict]]) -> tuple
         if name not in tool_names(tools):
             raise GrammarError(f"tool_choice: no tool named {name!r} in tools", "tool_choice")
         return "named", name
-    raise GrammarError("tool_choice: must be 'none', 'auto', 'required' or "
-                       "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+        spec = tool_choice.get("allowed_tools") or tool_choice  # chat shape, or the flat one
+        mode = spec.get("mode", "auto")
+        refs = spec.get("tools")
+        if mode not in ("auto", "required") or not isinstance(refs, list) or not refs:
+            raise GrammarError("tool_choice.allowed_tools: needs mode 'auto'|'required' and a non-empty "
+                               "tools list", "tool_choice")
+        names = [(r.get("function") or {}).get("name", r.get("name")) if isinstance(r, dict) else None
+                 for r in refs]
+        unknown = [n for n in names if n not in tool_names(tools)]
+        if unknown:
+            raise GrammarError(f"tool_choice.allowed_tools: not in tools: {unknown}", "tool_choice")
+        return f"allowed_{mode}", names
+    raise GrammarError("tool_choice: must be 'none', 'auto', 'required', "
+                       "{'type': 'function', 'function': {'name': ...}} or {'type': 'allowed_tools', ...}",
+                       "tool_choice")
 
 
 def _check_tools(tools: Sequence[dict]) -> None:
@@ -100,20 +121,27 @@ def _check_tools(tools: Sequence[dict]) -> None:
         seen.add(fn["name"])
 
 
-def tool_call_spec(tools: Sequence[dict], tool_choice: Any, parallel: Optional[bool]) -> Optional[GrammarSpec]:
-    """The structural tag for a tool-calling request (``None`` for ``tool_choice="none"``)."""
+def tool_call_spec(tools: Sequence[dict], tool_choice: Any, parallel: Optional[bool]) -> GrammarSpec:
+    """The structural tag for a tool-calling request (for ``tool_choice="none"``: the call ban,
+    ``tool_call=False``)."""
     _check_tools(tools)
     mode, name = tool_choice_mode(tool_choice, tools)
-    if mode == "none":
-        return None
     import_xgrammar()
+    if mode == "none":
+        from xgrammar.structural_tag import AnyTextFormat, StructuralTag
+
+        ban = StructuralTag(format=AnyTextFormat(excludes=["<tool_call", *NEVER_WRITTEN]))
+        return GrammarSpec("structural_tag", ban.model_dump_json(), param="tool_choice")
     from xgrammar import get_model_structural_tag
 
     norm = []
     for t in tools:
         fn = dict(t["function"])
         fn.setdefault("parameters", {"type": "object", "properties": {}})
-        norm.append({"type": "function", "function": fn})
+        if not mode.startswith("allowed_") or fn["name"] in name:
+            norm.append({"type": "function", "function": fn})
+    if mode.startswith("allowed_"):  # the prompt lists every tool; the grammar only these
+        mode = mode.removeprefix("allowed_")
     choice: Any = {"type": "function", "function": {"name": name}} if mode == "named" else mode
     try:
         tag = get_model_structural_tag("qwen_3", tools=norm, tool_choice=choice, reasoning="disabled",
@@ -123,7 +151,19 @@ def tool_call_spec(tools: Sequence[dict], tool_choice: Any, parallel: Optional[b
         raise GrammarError(f"tools: {e}", "tools") from None
     if mode in ("required", "named"):
         tag = _calls_only(tag, mode == "named" or parallel is False)
+    else:
+        _exclude_from_text(tag, NEVER_WRITTEN)
     return GrammarSpec("structural_tag", tag.model_dump_json(), tool_call=True, param="tools")
+
+
+def _exclude_from_text(tag: Any, strings: Sequence[str]) -> None:
+    """``auto``: the free text around calls may not contain ``strings`` (what only the chat
+    template writes: a small model otherwise imitates the ``<tool_response>`` turn it just read)."""
+    fmt = tag.format
+    while getattr(fmt, "type", None) == "sequence":
+        fmt = fmt.elements[-1]
+    if hasattr(fmt, "excludes"):
+        fmt.excludes = list(dict.fromkeys([*fmt.excludes, *strings]))
 
 
 def _calls_only(tag: Any, single: bool) -> Any:
@@ -164,10 +204,13 @@ def spec_for_request(*, tools: Any = None, tool_choice: Any = None, parallel_too
                      ebnf: Optional[str] = None) -> Optional[GrammarSpec]:
     """The request's one constraint, or ``None``. Raises :class:`GrammarError`."""
     specs = []
+    ban = None
     if tools:
         s = tool_call_spec(tools, tool_choice, parallel_tool_calls)
-        if s is not None:
+        if s.tool_call:
             specs.append(s)
+        else:
+            ban = s  # tool_choice="none": only when nothing else constrains the output
     elif tool_choice not in (None, "none", "auto"):
         raise GrammarError("tool_choice needs tools", "tool_choice")
     rf = response_format_spec(response_format)
@@ -180,7 +223,7 @@ def spec_for_request(*, tools: Any = None, tool_choice: Any = None, parallel_too
     if len(specs) > 1:
         raise GrammarError("only one of forced tool calls, response_format, regex and ebnf per request "
                            f"(got {', '.join(s.param for s in specs)})", specs[1].param)
-    return specs[0] if specs else None
+    return specs[0] if specs else ban
 
 
 # ------------------------------------------------------------------ xgrammar

@@ -62,10 +62,20 @@ def test_tool_choice_required_named_and_none(serve):
         assert r.choices[0].finish_reason in ("tool_calls", "length")
         for t in r.choices[0].message.tool_calls or []:
             check_call(t)
-        # "none": tools stay in the prompt, no grammar, no parsing
+        # "none": tools stay in the prompt, no call parsed, and the call marker is banned
+        bias = {str(i): 40 for i in srv.engine.tokenizer.encode("<tool_call>")}
         r = c.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, tool_choice="none",
-                                      temperature=0, max_tokens=8)
+                                      temperature=0, max_tokens=24, logit_bias=bias)
+        text = r.choices[0].message.content
         assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+        assert "<tool_call" not in text and "<tool_response" not in text
+        from kvflow_agents.serving.embedded.grammar import spec_for_request
+
+        backend = srv.engine.grammar
+        ban = backend.compile(spec_for_request(tools=TOOLS, tool_choice="none"))
+        assert backend.matcher(ban).accept_string("The answer is 7.")
+        for bad in ("Sure <tool_call>", "<tool_response>7"):
+            assert not backend.matcher(ban).accept_string(bad)
 
 
 def test_tool_calls_stream_in_openai_delta_shape(serve):
