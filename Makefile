@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
-EXTRAS ?= serve,langgraph,autogen,examples,dev
+EXTRAS ?= serve,langgraph,autogen,cluster,examples,dev
 STAMP := $(VENV)/.kvflow-installed
 PYTEST_ARGS ?=
 

@@ -8,7 +8,8 @@ How: the SDK builds every HTTP request in ``BaseClient._build_request(options)``
 shared by the sync and async clients, in openai 1.x, 2.x and 3.x; the Azure client calls it
 through ``super()``). The patch wraps it: for ``POST …/chat/completions`` and
 ``POST …/completions`` sent while :func:`kvflow_agents.current_hints` returns hints, it merges
-them into ``options.extra_json["custom_params"]`` (keys the caller set win), counts the
+them into ``options.extra_json`` — ``custom_params`` and/or ``metadata["kvflow"]`` as
+:func:`kvflow_agents.context.hint_channel` says (keys the caller set win) — counts the
 fixed-prefix boundary from ``messages`` (:mod:`kvflow_agents.fixed_prefix`, markers stripped)
 and adds the ``X-KVFlow-*`` headers — all before the SDK serializes the body, so nothing is
 parsed twice. Any HTTP client works, a user-supplied ``http_client`` included, since this runs
@@ -29,7 +30,7 @@ from typing import Any, Optional
 
 from .context import current_hints
 from .protocol import Hints
-from .transport import HINTED_EXTENSION, is_llm_request
+from .transport import HINTED_EXTENSION, hint_fields, is_llm_request
 
 log = logging.getLogger("kvflow_agents")
 
@@ -42,27 +43,29 @@ def is_enabled() -> bool:
     return _enabled
 
 
-def _custom_params(options: Any, hints: Hints) -> dict[str, Any]:
+def _hint_fields(options: Any, hints: Hints) -> Optional[dict[str, Any]]:
+    """The body fields carrying ``hints`` (:func:`kvflow_agents.transport.hint_fields`), merged
+    with what the caller put in ``custom_params`` / ``metadata`` (as a named argument or in
+    ``extra_body``; ``extra_body`` wins as it does in the SDK). ``None``: leave the body alone."""
     from . import fixed_prefix
 
-    cp = hints.to_custom_params()
-    json_data = options.json_data
-    if isinstance(json_data, dict):
-        if hints.fixed_messages is None:
-            fixed, cleaned = fixed_prefix.analyze(json_data.get("messages"))
-            if fixed is not None:
-                cp["kvflow_fixed_messages"] = fixed
-            if cleaned is not None:  # never mutate the caller's dict (it is reused on retry)
-                options.json_data = {**json_data, "messages": cleaned}
-        existing = json_data.get("custom_params")
-        if isinstance(existing, dict):
-            cp.update(existing)
-    extra = options.extra_json
-    if isinstance(extra, dict):
-        existing = extra.get("custom_params")
-        if isinstance(existing, dict):
-            cp.update(existing)
-    return cp
+    flat = hints.to_custom_params()
+    json_data = options.json_data if isinstance(options.json_data, dict) else {}
+    extra = options.extra_json if isinstance(options.extra_json, dict) else {}
+    if hints.fixed_messages is None and json_data:
+        fixed, cleaned = fixed_prefix.analyze(json_data.get("messages"))
+        if fixed is not None:
+            flat["kvflow_fixed_messages"] = fixed
+        if cleaned is not None:  # never mutate the caller's dict (it is reused on retry)
+            options.json_data = {**json_data, "messages": cleaned}
+    view: dict[str, Any] = {}
+    for key in ("custom_params", "metadata"):
+        a, b = json_data.get(key), extra.get(key)
+        if a is not None and b is not None and isinstance(a, dict) and isinstance(b, dict):
+            view[key] = {**a, **b}
+        elif b is not None or a is not None:
+            view[key] = b if b is not None else a
+    return hint_fields(flat, view)
 
 
 def _has_kvflow_transport(client: Any) -> bool:
@@ -96,11 +99,10 @@ def _inject(client: Any, options: Any) -> Optional[Hints]:
         return None
     if options.json_data is not None and not isinstance(options.json_data, dict):
         return None  # not a JSON object body: leave it alone
-    if isinstance(options.extra_json, dict) and "custom_params" in options.extra_json \
-            and not isinstance(options.extra_json["custom_params"], dict):
+    fields = _hint_fields(options, hints)
+    if fields is None:  # the caller's custom_params / metadata is not an object
         return None
-    cp = _custom_params(options, hints)
-    options.extra_json = {**(options.extra_json or {}), "custom_params": cp}
+    options.extra_json = {**(options.extra_json or {}), **fields}
     headers = options.headers if isinstance(options.headers, dict) else {}
     present = {k.lower() for k in headers}
     default_headers = getattr(client, "_custom_headers", None) or {}
@@ -112,7 +114,9 @@ def _inject(client: Any, options: Any) -> Optional[Hints]:
         from .oob import note_server
 
         key = getattr(client, "api_key", None)
-        note_server(hints, str(client.base_url), f"Bearer {key}" if isinstance(key, str) and key else None)
+        model = options.json_data.get("model") if isinstance(options.json_data, dict) else None
+        note_server(hints, str(client.base_url), f"Bearer {key}" if isinstance(key, str) and key else None,
+                    model=model)
     except Exception:  # noqa: BLE001
         pass
     return hints

@@ -8,17 +8,23 @@ Two sources, checked in order:
 
 Transports call :func:`current_hints` once per request. A provider that raises is logged and
 skipped: hints are advisory and must never fail the user's request.
+
+Which body fields carry the hints is :func:`hint_channel`: ``both`` (default: ``custom_params``
+for direct connections and ``metadata["kvflow"]``, the form SGLang's gateway forwards),
+``metadata`` or ``custom_params``. Set it with :func:`set_hint_channel` or the environment
+variable ``KVFLOW_HINT_CHANNEL``.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
-from .protocol import Hints
+from .protocol import CHANNELS, Hints
 
 log = logging.getLogger("kvflow_agents")
 
@@ -75,3 +81,26 @@ def current_hints() -> Optional[Hints]:
         if h is not None:
             return h
     return None
+
+
+_channel: Optional[str] = None
+
+
+def set_hint_channel(channel: Optional[str]) -> None:
+    """``"both"`` | ``"metadata"`` | ``"custom_params"``; ``None``: back to the default
+    (``KVFLOW_HINT_CHANNEL``, else ``both``)."""
+    global _channel
+    if channel is not None and channel not in CHANNELS:
+        raise ValueError(f"hint channel must be one of {', '.join(CHANNELS)}, not {channel!r}")
+    _channel = channel
+
+
+def hint_channel() -> str:
+    if _channel is not None:
+        return _channel
+    env = os.environ.get("KVFLOW_HINT_CHANNEL", "").strip().lower()
+    if env in CHANNELS:
+        return env
+    if env:
+        log.warning("KVFLOW_HINT_CHANNEL=%r is not one of %s; using 'both'", env, ", ".join(CHANNELS))
+    return "both"

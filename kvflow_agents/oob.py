@@ -1,7 +1,12 @@
 """Out-of-band hints: transitions that send no LLM request (tool nodes, the end of a run).
 
 ``POST {server}/kvflow/v1/hints`` with the flat ``custom_params`` dict of :class:`Hints` plus
-``kvflow_event`` (``"transition"`` or ``"end"``; ``"end"`` releases the workflow).
+``kvflow_event`` (``"transition"`` or ``"end"``; ``"end"`` releases the workflow), with the
+workflow id in ``x-smg-routing-key``. A gateway (SGLang's ``sglang-router`` / ``smg``) forwards no
+such route and answers 404: from then on that server gets the same event as a *hint-only
+completion* (:func:`kvflow_agents.protocol.hint_only_completion`, ``POST /v1/completions`` with
+the app's model name), which the gateway routes by the routing key to the instance holding the
+workflow, and which a kvflow server answers without running the model.
 
 Best effort by design: :meth:`HintReporter.report` only puts the hints on a bounded queue
 (dropping them when it is full) and returns at once; one daemon thread posts them with a short
@@ -26,11 +31,12 @@ from typing import Any, Optional
 # request, and a request built while another thread is half-way through importing httpx fails.
 import httpx
 
-from .protocol import Hints
+from .protocol import HEADER_ROUTING_KEY, Hints, hint_only_completion
 
 log = logging.getLogger("kvflow_agents")
 
 HINTS_PATH = "/kvflow/v1/hints"
+CARRIER_PATH = "/v1/completions"
 QUEUE_SIZE = 1024
 POST_TIMEOUT_S = 2.0
 
@@ -54,11 +60,15 @@ _root_cache: dict[str, str] = {}
 
 
 _auth: dict[str, str] = {}  # server root -> the Authorization header the app's LLM requests use
+_models: dict[str, str] = {}  # server root -> a model name its LLM requests use (for carriers)
+_carrier_roots: set[str] = set()  # servers without /kvflow/v1/hints (gateways): use carriers
 
 
-def note_server(hints: Optional[Hints], url: str, authorization: Optional[str] = None) -> None:
-    """Record where an app's LLM requests go (called per hinted request; cheap), and how they
-    authenticate: a server started with ``--api-key`` requires the key on the hint endpoint too."""
+def note_server(hints: Optional[Hints], url: str, authorization: Optional[str] = None,
+                model: Optional[str] = None) -> None:
+    """Record where an app's LLM requests go (called per hinted request; cheap), how they
+    authenticate (a server started with ``--api-key`` requires the key on the hint endpoint
+    too) and which model they name (a gateway needs it on a hint-only completion)."""
     root = _root_cache.get(url)
     if root is None:
         root = server_root(url)
@@ -66,6 +76,8 @@ def note_server(hints: Optional[Hints], url: str, authorization: Optional[str] =
             _root_cache[url] = root
     if authorization and _auth.get(root) != authorization and len(_auth) < 1024:
         _auth[root] = authorization
+    if isinstance(model, str) and model and _models.get(root) != model and len(_models) < 1024:
+        _models[root] = model
     if hints is not None and hints.app is not None and _servers.get(hints.app) != root:
         with _servers_lock:
             _servers[hints.app] = root
@@ -84,7 +96,7 @@ class _Poster:
     """One daemon thread and one bounded queue shared by every reporter."""
 
     def __init__(self) -> None:
-        self.queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue(QUEUE_SIZE)
+        self.queue: queue.Queue[tuple | None] = queue.Queue(QUEUE_SIZE)
         self.sent = 0
         self.failed = 0
         self.dropped = 0
@@ -92,14 +104,16 @@ class _Poster:
         self._lock = threading.Lock()
         self._client: Any = None
 
-    def submit(self, url: str, body: bytes) -> bool:
+    def submit(self, url: str, body: bytes, hints: Optional[Hints] = None, event: str = "transition") -> bool:
+        """Queue ``body`` for ``url``; with ``hints``, a server that has no hint endpoint (404)
+        gets them as a hint-only completion instead."""
         if self._thread is None or not self._thread.is_alive():
             with self._lock:
                 if self._thread is None or not self._thread.is_alive():
                     self._thread = threading.Thread(target=self._run, name="kvflow-oob", daemon=True)
                     self._thread.start()
         try:
-            self.queue.put_nowait((url, body))
+            self.queue.put_nowait((url, body, hints, event))
             return True
         except queue.Full:
             self.dropped += 1
@@ -112,13 +126,25 @@ class _Poster:
             try:
                 if item is None:
                     return
-                url, body = item
+                url, body, hints, event = item
                 try:
+                    root = server_root(url)
                     headers = {"content-type": "application/json"}
-                    auth = _auth.get(server_root(url))
+                    auth = _auth.get(root)
                     if auth:
                         headers["authorization"] = auth
-                    r = self._client.post(url, content=body, headers=headers)
+                    if hints is not None:
+                        headers[HEADER_ROUTING_KEY] = hints.headers()[HEADER_ROUTING_KEY]
+                    r = None
+                    if hints is None or root not in _carrier_roots:
+                        r = self._client.post(url, content=body, headers=headers)
+                    if hints is not None and (r is None or r.status_code in (404, 405)):
+                        if r is not None:
+                            log.debug("kvflow: %s has no hint endpoint (a gateway?): sending "
+                                      "out-of-band hints as hint-only completions", root)
+                            _carrier_roots.add(root)
+                        carrier = hint_only_completion(hints, event, _models.get(root) or "default")
+                        r = self._client.post(root + CARRIER_PATH, json=carrier, headers=headers)
                     if r.status_code >= 400:
                         self.failed += 1
                         log.debug("kvflow: hint endpoint %s answered %s", url, r.status_code)
@@ -165,7 +191,7 @@ class HintReporter:
                 return False
             doc = hints.to_custom_params()
             doc["kvflow_event"] = event
-            return _poster.submit(url, json.dumps(doc, separators=(",", ":")).encode())
+            return _poster.submit(url, json.dumps(doc, separators=(",", ":")).encode(), hints, event)
         except Exception:  # noqa: BLE001 — never fail the run
             log.debug("kvflow: could not queue out-of-band hints", exc_info=True)
             return False

@@ -1,7 +1,18 @@
 """Hints v1: what an instrumented app tells the serving engine with every LLM request.
 
-On the wire the hints travel in the OpenAI request body as ``custom_params`` with flat
-``kvflow_*`` keys. SGLang's ``custom_params`` accepts only scalars, lists of scalars and flat
+On the wire the hints are one flat dict of ``kvflow_*`` keys, carried in the OpenAI request body
+in two places (:data:`CHANNELS`; clients send both by default, servers read the first present):
+
+- ``custom_params`` (the dict itself): what SGLang hands to ``Req`` unchanged; kept for direct
+  connections;
+- ``metadata["kvflow"]`` (the same dict as one compact JSON string, at most
+  :data:`MAX_METADATA_CHARS` characters): OpenAI's ``metadata`` is a string-to-string map, the
+  one extension field SGLang's gateway (``sglang-router`` / ``smg``) forwards on
+  ``/v1/chat/completions`` in every version (0.3.2 rebuilds the body and drops
+  ``custom_params``). With ``x-smg-routing-key`` (the workflow id) it routes and hints a workflow
+  through the gateway; the key also stands in for ``kvflow_workflow`` when the dict lacks it.
+
+The custom_params form: SGLang's ``custom_params`` accepts only scalars, lists of scalars and flat
 dicts (it must stay msgpack-safe), so this form reaches SGLang's ``Req`` unchanged::
 
     {"custom_params": {"kvflow_v": 1, "kvflow_workflow": "thread-7", "kvflow_app": "peer",
@@ -11,10 +22,15 @@ dicts (it must stay msgpack-safe), so this form reaches SGLang's ``Req`` unchang
 
 ``null`` in ``kvflow_ste`` means infinity: the agent cannot run again in this workflow, so its
 cache may go first. The ids are mirrored in headers ``X-KVFlow-Workflow`` / ``X-KVFlow-Agent``
-for routers and logs. The same flat dict (plus ``kvflow_event``) is the body of the server's
-out-of-band endpoint ``POST /kvflow/v1/hints`` for transitions that send no LLM request.
+for routers and logs (a gateway drops them). The same flat dict (plus ``kvflow_event``) is the
+body of the server's out-of-band endpoint ``POST /kvflow/v1/hints`` for transitions that send no
+LLM request. A gateway forwards no such route, so the same event also travels as a *hint-only
+completion* (:func:`hint_only_completion`): ``POST /v1/completions`` with the event in the hints
+and the routing key header; a kvflow server applies it and answers at once without running the
+model, and the gateway routes it to the instance holding the workflow.
 
-Hints are advisory. A server reads them with :meth:`Hints.from_custom_params`, which raises
+Hints are advisory. A server reads them with :meth:`Hints.from_request` (all channels; or
+:meth:`Hints.from_custom_params` for one flat dict), which raises
 :class:`HintError` naming the bad key; the server then ignores the hints and still answers.
 Values from the wire are not trusted: ids and maps are bounded, STE values are clipped.
 """
@@ -44,6 +60,13 @@ MAX_STEP = 2**31 - 1
 MAX_FIXED_MESSAGES = 4096
 
 EVENTS = ("transition", "end")
+
+METADATA_KEY = "kvflow"
+# One metadata value; far above a 10-agent workflow's ~400 characters. (OpenAI's own API caps a
+# value at 512; SGLang's gateway enforces no length.) Clients trim the STE map to the agents
+# closest to running to stay under it; servers refuse longer values unparsed.
+MAX_METADATA_CHARS = 8192
+CHANNELS = ("both", "metadata", "custom_params")
 
 
 class HintError(ValueError):
@@ -137,11 +160,19 @@ class Hints(BaseModel):
         wf = safe(self.workflow)
         return {HEADER_WORKFLOW: wf, HEADER_AGENT: safe(self.agent), HEADER_ROUTING_KEY: wf}
 
+    def to_metadata_value(self, extra: Mapping[str, Any] | None = None) -> str:
+        """The compact JSON string carried in ``metadata["kvflow"]`` (``extra``: more flat keys,
+        e.g. ``kvflow_fixed_messages``). Over :data:`MAX_METADATA_CHARS` the STE map keeps the
+        agents closest to running (an agent left out is "unknown", never "never again")."""
+        return metadata_value({**self.to_custom_params(), **(extra or {})})
+
     @classmethod
-    def from_custom_params(cls, params: Mapping[str, Any] | None) -> Optional["Hints"]:
+    def from_custom_params(cls, params: Mapping[str, Any] | None, *,
+                           workflow: Optional[str] = None) -> Optional["Hints"]:
         """Parse and validate wire hints. ``None`` when the request carries no ``kvflow_*``
         key at all (an uninstrumented client); :class:`HintError` when they are malformed.
-        Unknown ``kvflow_*`` keys are ignored (forward compatibility within v1)."""
+        Unknown ``kvflow_*`` keys are ignored (forward compatibility within v1). ``workflow``
+        (the routing key) is used when ``kvflow_workflow`` is absent."""
         if params is None:
             return None
         if not isinstance(params, Mapping):
@@ -153,7 +184,7 @@ class Hints(BaseModel):
             raise HintError("kvflow_v", "missing protocol version")
         if isinstance(v, bool) or v != PROTOCOL_VERSION:
             raise HintError("kvflow_v", f"unsupported protocol version {v!r} (this server speaks {PROTOCOL_VERSION})")
-        workflow = _check_id("kvflow_workflow", params.get("kvflow_workflow"))
+        workflow = _check_id("kvflow_workflow", params.get("kvflow_workflow", workflow))
         agent = _check_id("kvflow_agent", params.get("kvflow_agent"))
         app = _check_id("kvflow_app", params.get("kvflow_app"), optional=True)
 
@@ -190,18 +221,114 @@ class Hints(BaseModel):
                    fixed_messages=fixed, event=event)
 
     @classmethod
+    def from_metadata(cls, metadata: Any, *, workflow: Optional[str] = None) -> Optional["Hints"]:
+        """Hints from OpenAI ``metadata`` (``{"kvflow": "<compact JSON>"}``), or ``None``."""
+        doc = metadata_hints(metadata)
+        return None if doc is None else cls.from_custom_params(doc, workflow=workflow)
+
+    @classmethod
+    def from_request(cls, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+                     ) -> Optional["Hints"]:
+        """Hints from an OpenAI request, whatever channel carried them: ``custom_params``, else
+        ``metadata["kvflow"]``, else the ``X-KVFlow-Workflow`` + ``X-KVFlow-Agent`` headers.
+        The workflow id falls back to ``X-KVFlow-Workflow``, then ``x-smg-routing-key``.
+        ``headers`` must be case-insensitive or lower-cased. Raises :class:`HintError`."""
+        if not isinstance(body, Mapping):
+            raise HintError("body", f"must be an object, got {type(body).__name__}")
+        headers = headers or {}
+        header_wf = headers.get(HEADER_WORKFLOW.lower()) or None
+        routing_wf = header_wf or headers.get(HEADER_ROUTING_KEY) or None
+        h = cls.from_custom_params(body.get("custom_params"), workflow=routing_wf)
+        if h is None:
+            h = cls.from_metadata(body.get("metadata"), workflow=routing_wf)
+        if h is None:
+            agent = headers.get(HEADER_AGENT.lower())
+            if header_wf and agent:
+                h = cls(workflow=header_wf, agent=agent)
+        return h
+
+    @classmethod
     def from_request_body(cls, body: Mapping[str, Any]) -> Optional["Hints"]:
-        """Hints from an OpenAI request body (its ``custom_params``), or ``None``."""
-        return cls.from_custom_params(body.get("custom_params"))
+        """Hints from an OpenAI request body (``custom_params`` or ``metadata``), or ``None``."""
+        return cls.from_request(body)
+
+
+def metadata_value(flat: Mapping[str, Any]) -> str:
+    """``flat`` (a custom_params dict) as one compact JSON string of at most
+    :data:`MAX_METADATA_CHARS` characters: the STE map is cut to the agents closest to running
+    (then ``kvflow_next``) until it fits."""
+    def dump(d: Mapping[str, Any]) -> str:
+        return json.dumps(d, separators=(",", ":"), ensure_ascii=False)
+
+    out = dump(flat)
+    if len(out) <= MAX_METADATA_CHARS:
+        return out
+    doc = dict(flat)
+    ste = doc.get("kvflow_ste") or {}
+    order = sorted(ste, key=lambda a: (math.inf if ste[a] is None else ste[a], a))
+    lo, hi = 0, len(order)  # the most agents that fit (binary search on the prefix length)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        doc["kvflow_ste"] = {a: ste[a] for a in order[:mid]}
+        if len(dump(doc)) <= MAX_METADATA_CHARS:
+            lo = mid
+        else:
+            hi = mid - 1
+    doc["kvflow_ste"] = {a: ste[a] for a in order[:lo]}
+    while len(dump(doc)) > MAX_METADATA_CHARS and doc.get("kvflow_next"):
+        doc["kvflow_next"] = doc["kvflow_next"][:-1]
+    return dump(doc)
+
+
+def metadata_hints(metadata: Any) -> Optional[dict[str, Any]]:
+    """The flat hints dict inside OpenAI ``metadata``; ``None`` when there is none. Raises
+    :class:`HintError` (key ``metadata.kvflow``) for a value that is not a bounded JSON object."""
+    if not isinstance(metadata, Mapping) or METADATA_KEY not in metadata:
+        return None
+    raw = metadata[METADATA_KEY]
+    key = f"metadata.{METADATA_KEY}"
+    if not isinstance(raw, str):
+        raise HintError(key, f"must be a JSON string, got {type(raw).__name__}")
+    if len(raw) > MAX_METADATA_CHARS:
+        raise HintError(key, f"longer than {MAX_METADATA_CHARS} characters")
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise HintError(key, f"not valid JSON ({e.msg})") from None
+    if not isinstance(doc, dict):
+        raise HintError(key, f"must encode a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def hint_only_completion(hints: "Hints", event: str, model: Optional[str] = None) -> dict[str, Any]:
+    """Body of a hint-only completion: an out-of-band event (``"transition"`` / ``"end"``) sent
+    as ``POST /v1/completions``, the one route every gateway forwards with its routing key. A
+    kvflow server applies the hints and answers an empty completion without running the model;
+    the hints ride in both channels so either survives the gateway."""
+    if event not in EVENTS:
+        raise ValueError(f"event must be one of {EVENTS}")
+    flat = {**hints.to_custom_params(), "kvflow_event": event}
+    body: dict[str, Any] = {"prompt": "", "max_tokens": 1, "temperature": 0,
+                            "custom_params": flat,
+                            "metadata": {METADATA_KEY: metadata_value(flat)}}
+    if model:
+        body["model"] = model
+    return body
 
 
 class HintsWire(BaseModel):
-    """The wire form, for the JSON Schema (``kvflow_agents/schemas/hints_v1.schema.json``)."""
+    """kvflow hints v1: one flat object, sent as the request's ``custom_params`` and/or as
+    ``metadata["kvflow"]`` (this object as one compact JSON string of at most 8192 characters;
+    the form SGLang's gateway forwards). ``kvflow_workflow`` may be left out when the request
+    carries the ``x-smg-routing-key`` (or ``X-KVFlow-Workflow``) header: the header is the
+    workflow id then. Schema file: ``kvflow_agents/schemas/hints_v1.schema.json``."""
 
-    model_config = ConfigDict(extra="allow", title="kvflow hints v1 (custom_params)")
+    model_config = ConfigDict(extra="allow", title="kvflow hints v1")
 
     kvflow_v: Literal[1]
-    kvflow_workflow: str = Field(min_length=1, max_length=MAX_ID_LEN)
+    kvflow_workflow: Optional[str] = Field(
+        None, min_length=1, max_length=MAX_ID_LEN,
+        description="workflow instance id; default: the x-smg-routing-key header")
     kvflow_agent: str = Field(min_length=1, max_length=MAX_ID_LEN)
     kvflow_app: Optional[str] = Field(None, min_length=1, max_length=MAX_ID_LEN)
     kvflow_step: int = Field(0, ge=0)

@@ -6,8 +6,9 @@ classes are built for each library from one core (:func:`rewrite_body`): sync an
 that only differ in how they call the wrapped transport.
 
 Only ``POST …/chat/completions`` and ``POST …/completions`` with a JSON object body are
-touched: the hints are merged into ``custom_params`` (keys the caller set explicitly win) and
-mirrored in ``X-KVFlow-Workflow`` / ``X-KVFlow-Agent``. Everything else passes unchanged, and
+touched: the hints are merged into ``custom_params`` (keys the caller set explicitly win) and/or
+``metadata["kvflow"]`` (:func:`kvflow_agents.context.hint_channel`, :func:`hint_fields`) and
+mirrored in ``X-KVFlow-Workflow`` / ``X-KVFlow-Agent`` / ``x-smg-routing-key``. Everything else passes unchanged, and
 so does every request sent while no hints apply.
 """
 
@@ -20,8 +21,8 @@ from functools import lru_cache
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-from .context import current_hints
-from .protocol import Hints
+from .context import current_hints, hint_channel
+from .protocol import METADATA_KEY, Hints, metadata_value
 
 log = logging.getLogger("kvflow_agents")
 
@@ -35,30 +36,53 @@ def is_llm_request(method: str, path: str) -> bool:
     return method.upper() == "POST" and path.rstrip("/").endswith(HINTED_PATH_SUFFIXES)
 
 
+def hint_fields(flat: dict[str, Any], doc: dict[str, Any], channel: Optional[str] = None
+                ) -> Optional[dict[str, Any]]:
+    """The top-level body fields that carry ``flat`` (the merged ``kvflow_*`` dict) on
+    ``channel``, merged with what ``doc`` (the body as the caller wrote it) already has there:
+    the caller's ``custom_params`` keys win, and its ``metadata`` entries are kept. ``None``
+    when the caller set one of those fields to something that is not an object (then nothing
+    is added). One home for the transports and :mod:`kvflow_agents.autopatch`."""
+    channel = channel or hint_channel()
+    cp, md = doc.get("custom_params"), doc.get("metadata")
+    if (cp is not None and not isinstance(cp, dict)) or (md is not None and not isinstance(md, dict)):
+        return None
+    merged = {**flat, **(cp or {})}  # explicit caller keys win over automatic hints
+    out: dict[str, Any] = {}
+    if channel in ("both", "custom_params"):
+        out["custom_params"] = merged
+    if channel in ("both", "metadata") and METADATA_KEY not in (md or {}):
+        hinted = {k: v for k, v in merged.items() if k.startswith("kvflow_")}
+        out["metadata"] = {**(md or {}), METADATA_KEY: metadata_value(hinted)}
+    return out
+
+
 def rewrite_body(body: bytes, hints: Hints) -> Optional[bytes]:
-    """The request body with hints merged into ``custom_params``; ``None`` to leave it as is
-    (not a JSON object, or ``custom_params`` set to something that is not an object)."""
+    """The request body with hints added (:func:`hint_fields`); ``None`` to leave it as is
+    (not a JSON object, or ``custom_params`` / ``metadata`` set to something not an object)."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None
+    doc = _hinted_doc(doc, hints)
+    return None if doc is None else json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _hinted_doc(doc: Any, hints: Hints) -> Optional[dict]:
     if not isinstance(doc, dict):
         return None
-    existing = doc.get("custom_params")
-    if existing is None:
-        existing = {}
-    elif not isinstance(existing, dict):
-        return None
-    merged = hints.to_custom_params()
+    flat = hints.to_custom_params()
     if hints.fixed_messages is None:  # boundary from the messages (markers are stripped)
         from .fixed_prefix import apply as _fixed_prefix
 
         fixed = _fixed_prefix(doc)
         if fixed is not None:
-            merged["kvflow_fixed_messages"] = fixed
-    merged.update(existing)  # explicit caller keys win over automatic hints
-    doc["custom_params"] = merged
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+            flat["kvflow_fixed_messages"] = fixed
+    fields = hint_fields(flat, doc)
+    if fields is None:
+        return None
+    doc.update(fields)
+    return doc
 
 
 def _rewrite_request(lib: ModuleType, request: Any, source: HintSource) -> Any:
@@ -72,14 +96,20 @@ def _rewrite_request(lib: ModuleType, request: Any, source: HintSource) -> Any:
             return request
         from .oob import note_server
 
-        note_server(hints, str(request.url), request.headers.get("authorization"))
         try:
             body = request.content
         except lib.RequestNotRead:  # a streaming upload: not an OpenAI JSON body
             return request
-        new_body = rewrite_body(body, hints)
-        if new_body is None:
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            doc = None
+        model = doc.get("model") if isinstance(doc, dict) else None
+        note_server(hints, str(request.url), request.headers.get("authorization"), model=model)
+        doc = _hinted_doc(doc, hints)
+        if doc is None:
             return request
+        new_body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
         present = {k.lower() for k, _ in headers}
         headers += [(k, v) for k, v in hints.headers().items() if k.lower() not in present]

@@ -43,8 +43,10 @@ def serve_args(*, model: str, policy: str, device_tokens: int, host_tokens: int,
 
 
 class BenchServer:
-    def __init__(self, args: Sequence[str], *, host: str = "127.0.0.1", timeout_s: float = 300.0) -> None:
+    def __init__(self, args: Sequence[str], *, host: str = "127.0.0.1", timeout_s: float = 300.0,
+                 env: Optional[dict[str, str]] = None) -> None:
         self.args = list(args)
+        self.env = dict(env or {})  # extra environment (e.g. KVFLOW_INSTANCE_ID)
         self.host = host
         self.port = free_port(host)
         self.timeout_s = timeout_s
@@ -84,7 +86,7 @@ class BenchServer:
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         deadline = time.monotonic() + self.timeout_s
         with httpx.Client(timeout=2.0, trust_env=False) as c:
             while True:

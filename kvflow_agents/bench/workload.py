@@ -255,6 +255,7 @@ class CallRecord:
     load_wait_s: Optional[float] = None
     server_ttft_s: Optional[float] = None
     hints: Optional[str] = None       # the server's x-kvflow-hints answer
+    instance: Optional[str] = None    # x-kvflow-instance: which worker answered (behind a gateway)
 
 
 @dataclass
@@ -304,6 +305,7 @@ async def chat_call(client: Any, base_url: str, model: str, messages: list[dict]
             body.update(stream=True, stream_options={"include_usage": True})
             async with client.stream("POST", url, json=body) as r:
                 rec.hints = r.headers.get("x-kvflow-hints")
+                rec.instance = r.headers.get("x-kvflow-instance")
                 if r.status_code != 200:
                     await r.aread()
                     raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
@@ -324,6 +326,7 @@ async def chat_call(client: Any, base_url: str, model: str, messages: list[dict]
         else:
             r = await client.post(url, json=body)
             rec.hints = r.headers.get("x-kvflow-hints")
+            rec.instance = r.headers.get("x-kvflow-instance")
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
             usage = r.json().get("usage")
@@ -339,14 +342,21 @@ async def chat_call(client: Any, base_url: str, model: str, messages: list[dict]
     return rec
 
 
-async def post_end(client: Any, base_url: str, hints: Any) -> bool:
-    """Out-of-band ``end`` for a workflow (best effort: ``False`` if the server has no endpoint)."""
-    from kvflow_agents.oob import HINTS_PATH, server_root
+async def post_end(client: Any, base_url: str, hints: Any, model: Optional[str] = None) -> bool:
+    """Out-of-band ``end`` for a workflow (best effort: ``False`` if the server has no endpoint).
+    Behind a gateway (404 on the hint endpoint) it goes as a hint-only completion, routed by
+    the workflow's routing key to the instance that holds it."""
+    from kvflow_agents.oob import CARRIER_PATH, HINTS_PATH, server_root
+    from kvflow_agents.protocol import HEADER_ROUTING_KEY, hint_only_completion
 
     doc = hints.to_custom_params()
     doc["kvflow_event"] = "end"
+    headers = {HEADER_ROUTING_KEY: hints.headers()[HEADER_ROUTING_KEY]}
     try:
-        r = await client.post(server_root(base_url) + HINTS_PATH, json=doc)
+        r = await client.post(server_root(base_url) + HINTS_PATH, json=doc, headers=headers)
+        if r.status_code in (404, 405):
+            r = await client.post(server_root(base_url) + CARRIER_PATH, headers=headers,
+                                  json=hint_only_completion(hints, "end", model or "default"))
         return r.status_code < 400
     except Exception:  # noqa: BLE001
         return False
@@ -406,7 +416,7 @@ class WorkflowDriver:
                     from kvflow_agents.protocol import Hints
                     await post_end(client, self.base_url,
                                    Hints(workflow=self.workflow_id(w), agent=spec.agent_names()[-1],
-                                         step=tr.step, app=spec.app))
+                                         step=tr.step, app=spec.app), self.model)
         return result
 
     def hints_for(self, tracker, w: int, agent: str):

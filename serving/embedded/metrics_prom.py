@@ -22,6 +22,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# (tier:reason) keys of the manager's eviction counters: device evictions to make room for new
+# KV ("alloc"), a demand load ("load"), a prefetch ("prefetch") or a flush; host evictions to
+# make room for a backup.
+EVICTION_KEYS = ("device:alloc", "device:load", "device:prefetch", "device:flush", "host:backup")
 
 
 class EngineCollector:
@@ -59,7 +63,10 @@ class EngineCollector:
                           (["loading"], m["hit_tokens_loading"]), (["miss"], m["miss_tokens"])])
 
         def split(d):
-            for key, v in sorted(d.items()):
+            # Every (tier, reason) the manager can report, zero until it happens: a family's
+            # series must not appear and vanish between scrapes or differ between instances
+            # (SGLang's gateway merges the workers' families for /engine_metrics).
+            for key, v in sorted({**dict.fromkeys(EVICTION_KEYS, 0), **d}.items()):
                 tier, _, reason = key.partition(":")
                 yield [tier, reason or "-"], v
         yield counter("evictions", "Nodes evicted, by tier and reason.", labels=["tier", "reason"],
@@ -75,7 +82,7 @@ class EngineCollector:
                       labels=["kind"], samples=[(["hidden"], m["load_hidden_s"]),
                                                 (["exposed"], m["load_exposed_s"])])
         yield gauge("queue_depth", "Requests by scheduler state.", labels=["state"],
-                    samples=[([k], v) for k, v in s["queue"].items()])
+                    samples=[([k], s["queue"].get(k, 0)) for k in ("waiting", "loading", "running")])
         yield gauge("loads_in_flight", "Host->device loads in flight.", s["loads_in_flight"])
         yield gauge("pool_pages", "KV pool pages.", labels=["tier", "kind"], samples=[
             (["device", "capacity"], s["device_pages"]["capacity"]),

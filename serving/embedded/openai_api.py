@@ -15,8 +15,8 @@ top_logprobs}]`` (chat) or the legacy ``tokens/token_logprobs/top_logprobs/text_
 (completions). ``n`` up to :data:`MAX_N` choices (sampled as separate requests that share the
 prompt's cached prefix).
 
-Hints (:func:`parse_hints`) never fail a request: a malformed ``custom_params`` comes back as a
-rejection reason, which the server logs, counts and reports in the ``x-kvflow-hints`` header.
+Hints (:func:`parse_hints`) never fail a request: malformed hints (``custom_params`` or
+``metadata["kvflow"]``) come back as a rejection reason, which the server logs, counts and reports in the ``x-kvflow-hints`` header.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvflow_agents.protocol import HEADER_AGENT, HEADER_WORKFLOW, HintError, Hints
+from kvflow_agents.protocol import HintError, Hints
 
 from .scheduler import Completion, SamplingParams
 
@@ -194,16 +194,15 @@ def prompt_kwargs(req: CompletionRequest) -> dict:
     return {"prompt_ids": p}
 
 
-def parse_hints(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Optional[Hints], Optional[str]]:
-    """(hints, None), (None, None) when there are none, or (None, reason) when malformed."""
+def parse_hints(body: Mapping[str, Any], headers: Mapping[str, str], *,
+                allow_event: bool = False) -> tuple[Optional[Hints], Optional[str]]:
+    """(hints, None), (None, None) when there are none, or (None, reason) when malformed.
+    Every channel (``custom_params``, ``metadata["kvflow"]``, headers): :meth:`Hints.from_request`.
+    ``allow_event``: a hint-only completion (``/v1/completions``) may carry ``kvflow_event``."""
     try:
-        h = Hints.from_custom_params(body.get("custom_params"))
-        if h is None:
-            wf, agent = headers.get(HEADER_WORKFLOW.lower()), headers.get(HEADER_AGENT.lower())
-            if wf and agent:
-                h = Hints(workflow=wf, agent=agent)
-        if h is not None and h.event is not None:
-            raise HintError("kvflow_event", "only valid on POST /kvflow/v1/hints")
+        h = Hints.from_request(body, headers)
+        if h is not None and h.event is not None and not allow_event:
+            raise HintError("kvflow_event", "only valid on POST /kvflow/v1/hints or /v1/completions")
         return h, None
     except HintError as e:
         return None, f"{e.key}: {e.reason}"

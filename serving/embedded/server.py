@@ -11,6 +11,9 @@ Endpoints:
 - ``GET /kvflow/v1/cache``: per workflow/agent residency, STE/priority, tokens; pool usage
   (``?format=text`` for a plain table).
 - ``GET /metrics``: Prometheus text.
+- Gateway worker endpoints (``/model_info``, ``/server_info``, ``/v1/loads``, ``/get_load``,
+  ``/flush_cache``, ``/kvflow/v1/drain``), the ``x-kvflow-instance`` header and hint-only
+  completions: :mod:`.worker_api`.
 
 Sampling: ``temperature`` (default 1.0; 0 = greedy), ``top_p``, ``seed``, ``max_tokens`` /
 ``max_completion_tokens``, ``stop``, ``frequency_penalty`` / ``presence_penalty``, ``logit_bias``,
@@ -45,7 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow_agents.protocol import HEADER_REJECTED, HintError, Hints
 
-from . import metrics_prom
+from . import metrics_prom, worker_api
 from .engine import Engine, EngineInputError
 from .openai_api import (APIError, ChatRequest, ChoiceRenderer, CompletionRequest, chat_chunk,
                          chat_response_n, completion_chunk, completion_response_n, header_safe, parse,
@@ -68,6 +71,7 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     registry = metrics_prom.make_registry(engine)
+    worker = worker_api.install(app, engine)  # gateway endpoints, x-kvflow-instance, drain
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -239,6 +243,9 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await read_json(request)
+        hint_only = worker_api.hint_only_response(engine, body, request.headers)
+        if hint_only is not None:  # an out-of-band event that came through a gateway
+            return hint_only
         req: CompletionRequest = parse(CompletionRequest, body)
         hints, headers = hint_headers(body, request)
         ereqs = build(req, prompt_kwargs(req), hints)
@@ -251,10 +258,8 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
                                             "created": 0, "owned_by": "kvflow-agents"}]}
 
     @app.get("/health")
-    async def health() -> dict:
-        if not engine.alive:
-            raise APIError(503, "engine thread is not running", type="server_error")
-        return {"status": "ok", "model": engine.model_name, "policy": engine.policy.name}
+    async def health() -> Response:  # 503 while starting, draining or stopped
+        return worker_api.health_response(engine, worker)
 
     # ------------------------------------------------------------------ KVFlow
     @app.post("/kvflow/v1/hints")

@@ -4,6 +4,12 @@
   for transitions that send no LLM request. Validated here (400 with the bad key), then sent to
   the schedulers as a :class:`KVFlowControl` on SGLang's tokenizer -> scheduler socket.
 - ``GET /kvflow/v1/cache``: the scheduler's (TP rank 0) :meth:`KVFlowRadixCache.kvflow_snapshot`.
+- Gateway-proof hints (:class:`HintIntake`, an ASGI middleware on SGLang's app): SGLang's OpenAI
+  request models have no ``metadata`` field, so hints that came as ``metadata["kvflow"]`` (the
+  form SGLang's gateway forwards; the workflow may come as ``x-smg-routing-key``) are copied into
+  ``custom_params`` before SGLang parses the body; a hint-only completion (``kvflow_event`` on
+  ``/v1/completions``: an out-of-band event routed by the gateway) goes to the schedulers like
+  ``/kvflow/v1/hints`` and is answered at once, without running the model.
 - Chat requests: ``kvflow_fixed_messages`` (how many leading messages are the agent's fixed
   prompt) is turned into ``kvflow_fixed_prefix_tokens`` with the server's chat template, and
   the workflow id becomes SGLang's ``routing_key`` (unless the client set one), so a
@@ -173,12 +179,114 @@ def add_routes(app, get_tokenizer_manager) -> None:
     app.add_api_route("/kvflow/v1/cache", get_cache, methods=["GET"])
 
 
+# ------------------------------------------------------------------------------ gateway-proof intake
+INTAKE_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def intake(body: bytes, headers: dict, path: str) -> tuple[bytes, "dict | None"]:
+    """(body to pass on, control payload of a hint-only completion or ``None``). Hints in
+    ``metadata["kvflow"]`` (or with the workflow in the routing key) are merged into
+    ``custom_params``; anything malformed or unhinted passes unchanged (advisory)."""
+    from kvflow_agents.protocol import HintError, Hints
+
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body, None
+    if not isinstance(doc, dict):
+        return body, None
+    try:
+        hints = Hints.from_request(doc, headers)
+    except (HintError, ValueError, TypeError):
+        return body, None  # the request proceeds; custom_params (if any) is counted downstream
+    if hints is None:
+        return body, None
+    if hints.event is not None and path == "/v1/completions":
+        return body, hints.to_custom_params()
+    cp = doc.get("custom_params")
+    if cp is not None and not isinstance(cp, dict):
+        return body, None
+    if cp and Hints.from_custom_params(cp, workflow=hints.workflow) == hints:
+        return body, None  # custom_params already carries them (a direct connection)
+    doc["custom_params"] = {**(cp or {}), **hints.to_custom_params()}
+    return json.dumps(doc).encode(), None
+
+
+def hint_only_completion_response(model: str, event: str) -> bytes:
+    import time
+
+    return json.dumps({"id": f"cmpl-hint-{uuid.uuid4().hex[:12]}", "object": "text_completion",
+                       "created": int(time.time()), "model": model,
+                       "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}],
+                       "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+                       "kvflow": {"event": event}}).encode()
+
+
+class HintIntake:
+    """ASGI middleware: :func:`intake` on POST ``/v1/chat/completions`` and ``/v1/completions``
+    (the body is read once and replayed); everything else passes untouched."""
+
+    def __init__(self, app, get_tokenizer_manager) -> None:
+        self.app = app
+        self.get_tokenizer_manager = get_tokenizer_manager
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in INTAKE_PATHS:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        body = b"".join(chunks)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        try:
+            new_body, control = intake(body, headers, scope["path"])
+        except Exception:  # advisory: never fail the request
+            logger.exception("kvflow: hint intake failed")
+            new_body, control = body, None
+        if control is not None:
+            try:
+                await send_control(self.get_tokenizer_manager(), KVFlowControl("hints", control))
+                status, out = 200, hint_only_completion_response(
+                    json.loads(body).get("model") or "default", control.get("kvflow_event", ""))
+            except Exception as e:
+                status, out = 503, json.dumps({"error": {"message": str(e), "type": "server_error"}}).encode()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(out)).encode()),
+                                    (b"x-kvflow-hints", b"accepted" if status == 200 else b"rejected")]})
+            await send({"type": "http.response.body", "body": out})
+            return
+        if new_body is not body:
+            scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+                     + [(b"content-length", str(len(new_body)).encode())]}
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": new_body, "more_body": False}
+            return await receive()
+        await self.app(scope, replay, send)
+
+
 def before_launch_server(*args, **kwargs):
-    """BEFORE hook on http_server.launch_server: add the routes to SGLang's FastAPI app."""
+    """BEFORE hook on http_server.launch_server: add the routes and the hint intake to SGLang's
+    FastAPI app."""
     global _routes_added
     if not _routes_added:
         from sglang.srt.entrypoints import http_server
 
-        add_routes(http_server.app, lambda: http_server.get_global_state().tokenizer_manager)
+        def tm():
+            return http_server.get_global_state().tokenizer_manager
+        add_routes(http_server.app, tm)
+        try:
+            http_server.app.add_middleware(HintIntake, get_tokenizer_manager=tm)
+        except RuntimeError:  # the app already started (tests that reuse SGLang's module app)
+            logger.warning("kvflow: SGLang's app already started; metadata hint intake not installed")
         _routes_added = True
     return None

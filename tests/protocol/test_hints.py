@@ -95,3 +95,55 @@ def test_fuzzed_custom_params_either_parse_or_raise_hint_error(params):
         Hints.from_custom_params(params)
     except HintError:
         pass
+
+
+# ---------------------------------------------------------------- the gateway-proof channel
+def test_metadata_channel_round_trips_and_the_routing_key_fills_the_workflow():
+    from kvflow_agents.protocol import METADATA_KEY
+
+    body = {"metadata": {METADATA_KEY: sample().to_metadata_value(), "mine": "x"}}
+    assert Hints.from_request(body) == sample()
+    flat = {k: v for k, v in sample().to_custom_params().items() if k != "kvflow_workflow"}
+    body = {"metadata": {METADATA_KEY: json.dumps(flat)}}
+    assert Hints.from_request(body, {"x-smg-routing-key": "thread-7"}) == sample()
+    with pytest.raises(HintError) as e:
+        Hints.from_request(body)  # no workflow anywhere
+    assert e.value.key == "kvflow_workflow"
+    # custom_params wins over metadata; headers alone give workflow + agent
+    other = sample().model_copy(update={"agent": "executor"})
+    assert Hints.from_request({"custom_params": other.to_custom_params(),
+                               "metadata": {METADATA_KEY: sample().to_metadata_value()}}) == other
+    assert Hints.from_request({}, {"x-kvflow-workflow": "w", "x-kvflow-agent": "a"}) == Hints(workflow="w", agent="a")
+    assert Hints.from_request({"metadata": {"other": "x"}}) is None
+
+
+@pytest.mark.parametrize("value,reason", [
+    (5, "JSON string"), ("{nope", "not valid JSON"), ("[1]", "JSON object"),
+    ("x" * 9000, "longer than"),
+])
+def test_malformed_metadata_names_the_key(value, reason):
+    with pytest.raises(HintError) as e:
+        Hints.from_request({"metadata": {"kvflow": value}})
+    assert e.value.key == "metadata.kvflow" and reason in e.value.reason
+
+
+def test_a_large_ste_map_is_cut_to_the_nearest_agents_to_fit():
+    from kvflow_agents.protocol import MAX_METADATA_CHARS
+
+    big = Hints(workflow="w", agent="a0", ste={f"agent_with_a_long_name_{i:04d}": i for i in range(1000)})
+    value = big.to_metadata_value()
+    assert len(value) <= MAX_METADATA_CHARS
+    got = Hints.from_request({"metadata": {"kvflow": value}})
+    kept = sorted(got.ste.values())
+    assert kept == list(range(len(kept))) and 100 < len(kept) < 1000  # the closest ones
+
+
+def test_hint_only_completion_carries_the_event_in_both_channels():
+    from kvflow_agents.protocol import hint_only_completion
+
+    body = hint_only_completion(sample(), "end", "m")
+    assert body["model"] == "m" and body["prompt"] == "" and body["max_tokens"] == 1
+    assert Hints.from_custom_params(body["custom_params"]).event == "end"
+    assert Hints.from_metadata(body["metadata"]).event == "end"
+    with pytest.raises(ValueError):
+        hint_only_completion(sample(), "explode")

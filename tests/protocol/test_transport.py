@@ -130,3 +130,22 @@ def test_rewrite_body_leaves_odd_bodies_alone():
     assert rewrite_body(b'{"custom_params": "str"}', H) is None
     out = json.loads(rewrite_body(b'{"model":"m"}', H))
     assert out["custom_params"]["kvflow_workflow"] == "wf-1"
+
+
+@pytest.mark.parametrize("channel", ["both", "metadata", "custom_params"])
+def test_hint_channel_picks_the_body_fields_and_keeps_callers_metadata(channel):
+    from kvflow_agents.context import set_hint_channel
+    from kvflow_agents.protocol import Hints as _H
+
+    set_hint_channel(channel)
+    try:
+        out = json.loads(rewrite_body(json.dumps({"messages": [], "metadata": {"mine": "x"}}).encode(), H))
+    finally:
+        set_hint_channel(None)
+    assert ("custom_params" in out) == (channel != "metadata")
+    assert out["metadata"]["mine"] == "x"
+    assert ("kvflow" in out["metadata"]) == (channel != "custom_params")
+    got = _H.from_request(out)
+    assert got.model_copy(update={"fixed_messages": None}) == H.model_copy(update={"fixed_messages": None})
+    with pytest.raises(ValueError):
+        set_hint_channel("smoke-signals")
