@@ -105,6 +105,7 @@ class _LoopState:
     root: bool
     ticks: int = 0  # steps that ran something of ours
     started: list[tuple[str, str]] = field(default_factory=list)  # (agent, task ns)
+    base: int = 0  # a subgraph loop: the workflow step of its first super-step
 
 
 @dataclass
@@ -382,10 +383,12 @@ class LangGraphInstrumentation:
                     frontier.append((name, kind, ns))
             if not frontier:  # the input step ("__start__"), nothing of ours runs
                 return
-            if not ls.ticks and not ls.root:  # a subgraph's first step: its container's
-                step = wf.task_step.get(loop_ns, wf.step + 1)
-            else:
+            if ls.root:
                 step = wf.step + 1
+            elif not ls.ticks:  # a subgraph's first step: its container's
+                step = ls.base = wf.task_step.get(loop_ns, wf.step + 1)
+            else:  # its k-th step: container + k - 1, so parallel instances (Send) stay in step
+                step = ls.base + ls.ticks
             ls.ticks += 1
             wf.step = max(wf.step, step)
             t = wf.tracker
