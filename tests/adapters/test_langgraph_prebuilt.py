@@ -149,3 +149,31 @@ def test_react_agent_tool_node_takes_a_step_and_the_choice_is_learned():
     assert model.probability("react-test", app.kvflow_graph, "agent", "tools") == pytest.approx(0.5)
     assert app.kvflow_graph.steps_to_execution({"agent"})["tools"] == 1
     assert app.kvflow.tracker("t2").ste()["agent"] == INF  # the run ended: nothing will run
+
+
+def test_bench_predict_on_a_real_supervisor_app_learns_its_routing():
+    """``kvflow bench predict --app supervisor``: the runs are recorded by the adapter's own
+    tracker on a real langgraph-supervisor app; learning beats the graph's best case."""
+    from typer.testing import CliRunner
+
+    from kvflow_agents.bench.predict_apps import supervisor_traces
+    from kvflow_agents.cli.main import app as cli
+    from kvflow_agents.graph.learned import conditional_successors, evaluate_predictions, train
+
+    graphs, runs = supervisor_traces(60, seed=3, skew=0.9)
+    (g,) = graphs.values()
+    assert len(runs) == 60 and all(r.steps[0] == ["supervisor/agent"] and r.steps[1] == ["supervisor/tools"]
+                                   for r in runs)
+    for r in runs:  # every recorded step follows an edge of the Agent Step Graph
+        for (a,), (b,) in zip(r.steps, r.steps[1:]):
+            assert b in {d for _s, d in g.nx_graph.out_edges(a)}, (a, b)
+    assert set(conditional_successors(g, "supervisor/tools")) >= {"research_expert/agent", "math_expert/agent"}
+    before = evaluate_predictions(graphs, runs[30:], TransitionModel(), learn=False)
+    model = TransitionModel()
+    train(model, graphs, runs[:30])
+    after = evaluate_predictions(graphs, runs[30:], model, learn=False)
+    assert after.learned_accuracy > before.exact_accuracy + 0.05
+    r = CliRunner().invoke(cli, ["bench", "predict", "--app", "supervisor", "--runs", "20", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output[r.output.index("{"):])
+    assert doc["source"].startswith("langgraph-supervisor app") and len(doc["results"]) == 4
