@@ -204,24 +204,24 @@ A JSON object:
 ["<evidence, most important first>", "..."], "risks": ["<one or two risks or things to watch>"]}
 Two to four key points, one or two risks, each one sentence. No labels in the text.
 
-## Worked example
-User question: Why did Veloria's inflation rate fall in the second quarter, and will the \
-Velorian Central Bank cut interest rates?
-Findings (abridged):
-- Headline CPI inflation fell to 2.7% in Q2 from 3.3% in Q1; core eased to 3.1% from 3.4%.
-- Energy prices fell 8% after electricity tariffs were cut, subtracting 0.5 percentage points.
-- Services inflation stayed at 4.2%, with wage growth of about 4.5%.
-- The central bank said it wants "several months" of core inflation below 3% before easing.
-- Risks: tariff cut is a one-off; a weaker currency could lift import prices.
-Your output:
-{"answer": "Inflation in Veloria fell in the second quarter mainly because energy became \
-cheaper, and a rate cut is possible but not imminent, since the central bank wants to see core \
-inflation stay lower for several months first.", "key_points": ["Headline inflation dropped to \
-2.7% in Q2 from 3.3% in Q1, while core inflation eased only to 3.1% from 3.4%.", "A cut in \
-regulated electricity tariffs pushed energy prices down 8%, taking about 0.5 percentage points \
-off headline inflation.", "Services prices, driven by rents and wages rising about 4.5%, did \
-not slow at all (4.2%)."], "risks": ["The tariff cut is a one-off, so its effect fades after a \
-year.", "A weaker currency could raise import prices; watch monthly core inflation."]}
+## How to build the answer from the findings
+- Read every finding first. Group the facts that answer the same part of the question.
+- The "answer" is your own one- or two-sentence conclusion: what happened and why, and, when \
+the question asks about the future, whether it is likely to last, with the reason the findings \
+give. Name the entity and the period the question names.
+- Each key point restates one fact from the findings in plain words, with its figure and \
+period exactly as written there. Prefer the facts that explain the answer over background.
+- Each risk names something in the findings that could change the conclusion: a one-off \
+effect, a reversal, a missing piece of data, a conflicting fact.
+- When the findings say nothing about a part of the question, say so in the answer instead of \
+guessing.
+- Never reuse wording from these instructions: everything you write must come from the \
+question and the findings of this request.
+
+## What the reviewer checks
+The reviewing agent passes a draft that answers the question directly, uses only figures that \
+appear in the findings, names at least one risk, gives no advice and stays short. A draft that \
+fails goes back to you with one instruction; fix exactly that and keep what was right.
 
 ## Common mistakes to avoid
 - Opening with background instead of the answer.
