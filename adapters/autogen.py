@@ -55,13 +55,12 @@ import weakref
 from typing import Any, Optional
 
 from kvflow_agents.context import register_hint_provider
-from kvflow_agents.graph import INF, START, AgentStepGraph
+from kvflow_agents.graph import INF, START, AgentStepGraph, next_agents
 from kvflow_agents.graph import learned as _learned
 from kvflow_agents.graph.learned import (
     LearnedTracker,
     TraceRecorder,
     TransitionModel,
-    predicted_next,
     ste_between_steps,
     wire_ste,
 )
@@ -226,7 +225,7 @@ class AutoGenInstrumentation:
         _exact, wire = self.ste(agent)
         router = any(s.router == agent for s in self._routers)
         return Hints(workflow=self.workflow_id, agent=agent, step=self.tracker.step, ste=wire,
-                     next=predicted_next(wire), app=self.app, fixed_messages=0 if router else None)
+                     next=next_agents(wire), app=self.app, fixed_messages=0 if router else None)
 
     def hints_for(self, spec: TeamSpec, local: str) -> Optional[Hints]:
         if local == spec.manager_name and spec.router:

@@ -65,8 +65,8 @@ from langgraph.graph.state import CompiledStateGraph
 
 from .. import autopatch
 from ..context import register_hint_provider
-from ..graph import INF, AgentStepGraph, GraphError, WorkflowTracker
-from ..graph.learned import LearnedTracker, TraceRecorder, TransitionModel, default_model, predicted_next
+from ..graph import AgentStepGraph, GraphError, WorkflowTracker, next_agents
+from ..graph.learned import LearnedTracker, TraceRecorder, TransitionModel, default_model
 from ..oob import HintReporter
 from ..protocol import MAX_ID_LEN, Hints
 from .langgraph_asg import ASGInfo, KVFlowGraphWarning, build_asg, node_is_llm
@@ -86,20 +86,6 @@ MAX_WORKFLOWS = 4096  # per instrumented app; least recently used paused threads
 DEFAULT_GRAPH_NAME = "LangGraph"
 
 
-class _Tracker(LearnedTracker):
-    """A learning tracker that can also drop a running agent without it arriving anywhere (a
-    node paused by ``interrupt()`` runs again from the start on resume)."""
-
-    def cancel(self, agent: str) -> None:
-        with self._lock:
-            if self._running.get(agent, 0) > 0:
-                self._running[agent] -= 1
-                if self._running[agent] == 0:
-                    del self._running[agent]
-                self._ste_cache = None
-                self.history.append((self._step, "cancel", agent))
-
-
 @dataclass
 class _LoopState:
     root: bool
@@ -111,7 +97,7 @@ class _LoopState:
 @dataclass
 class _Workflow:
     id: str
-    tracker: _Tracker
+    tracker: WorkflowTracker
     wire_id: str = ""  # ``id`` as sent (hashed when longer than the protocol allows)
     lock: threading.RLock = field(default_factory=threading.RLock)
     step: int = 0  # global step counter (Pregel super-steps, subgraphs inlined)
@@ -195,8 +181,8 @@ class LangGraphInstrumentation:
             if not create:
                 return None
             wire = wid if 0 < len(wid) <= MAX_ID_LEN else "sha1:" + hashlib.sha1(wid.encode()).hexdigest()
-            wf = _Workflow(wid, _Tracker(self.graph, self.model, app=self.app_id, workflow_id=wid,
-                                         learn=self.learn, recorder=self.recorder, min_evidence=1),
+            wf = _Workflow(wid, LearnedTracker(self.graph, self.model, app=self.app_id, workflow_id=wid,
+                                               learn=self.learn, recorder=self.recorder, min_evidence=1),
                            wire_id=wire)
             self._workflows[wid] = wf
             while len(self._workflows) > MAX_WORKFLOWS:
@@ -484,7 +470,7 @@ class LangGraphInstrumentation:
         if cached is not None and cached[0] == wf.version:
             return cached[1]
         ste = wf.tracker.wire_ste()  # expected STE (learned), never below the exact one
-        nxt = predicted_next(ste)
+        nxt = next_agents(ste)
         # Our own values (ids checked when the workflow was created): skip re-validation.
         h = Hints.model_construct(workflow=wf.wire_id, agent=agent, step=step, ste=ste, next=nxt,
                                   app=self.app_id, fixed_messages=None, event=None)

@@ -80,7 +80,7 @@ from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Mapping, Sequence
 
 from .errors import GraphError
-from .step_graph import END, INF, START, AgentStepGraph
+from .step_graph import END, INF, START, AgentStepGraph, next_agents
 from .tracker import WorkflowTracker
 
 log = logging.getLogger("kvflow_agents")
@@ -89,7 +89,7 @@ TRANSITIONS_ENV = "KVFLOW_TRANSITIONS"  # a JSON file: the default model persist
 
 __all__ = [
     "TransitionModel", "LearnedTracker", "TraceRun", "TraceRecorder", "PredictionReport",
-    "expected_ste", "guaranteed_ste", "wire_ste", "predicted_next",
+    "expected_ste", "guaranteed_ste", "wire_ste",
     "write_traces", "read_traces", "evaluate_predictions", "synthetic_selector_traces",
     "selector_graph", "train", "conditional_successors", "ste_between_steps", "default_model",
 ]
@@ -424,15 +424,6 @@ def wire_ste(exact: Mapping[str, float], expected: Mapping[str, float]) -> dict[
     return out
 
 
-def predicted_next(ste: Mapping[str, float]) -> list[str]:
-    """Agents with the smallest STE > 0 (``[]`` if none can run)."""
-    finite = [v for v in ste.values() if 0 < v < INF]
-    if not finite:
-        return []
-    best = min(finite)
-    return [a for a, v in ste.items() if v == best]
-
-
 def expected_ste(graph: AgentStepGraph, model: TransitionModel, running: Iterable[str] = (),
                  arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None
                  ) -> dict[str, float]:
@@ -623,7 +614,8 @@ class LearnedTracker(WorkflowTracker):
         return wire_ste(exact, self.expected_ste())
 
     def predicted_next(self) -> list[str]:
-        return predicted_next(self.wire_ste())
+        """The next agents by the STE this tracker sends (:func:`~.step_graph.next_agents`)."""
+        return next_agents(self.wire_ste())
 
 
 # ---------------------------------------------------------------------------- evaluation

@@ -48,6 +48,17 @@ def _check_name(name: Any, what: str = "agent") -> str:
     return name
 
 
+def next_agents(ste: Mapping[str, float]) -> list[str]:
+    """The agents that can run soonest after the running ones: the smallest STE > 0 (``[]``
+    if none can run again). What hints send as ``kvflow_next``; the one home of this rule for
+    the tracker, the learned tracker and the framework adapters."""
+    finite = [v for v in ste.values() if 0 < v < INF]
+    if not finite:
+        return []
+    best = min(finite)
+    return [a for a, v in ste.items() if v == best]
+
+
 @dataclass(frozen=True)
 class _Compiled:
     """Integer form of the graph for the BFS: built once per mutation."""

@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Mapping
 
 from .errors import GraphError
-from .step_graph import INF, START, AgentStepGraph
+from .step_graph import INF, START, AgentStepGraph, next_agents
 
 
 class WorkflowTracker:
@@ -69,6 +69,17 @@ class WorkflowTracker:
             self._ste_cache = None
             self.history.append((self._step, "finish", agent))
 
+    def cancel(self, agent: str) -> None:
+        """``agent`` stopped without finishing (an interrupt, an error): it leaves the running
+        set without arriving at any barrier, so it runs again from the start on resume."""
+        with self._lock:
+            if self._running.get(agent, 0) > 0:
+                self._running[agent] -= 1
+                if self._running[agent] == 0:
+                    del self._running[agent]
+                self._ste_cache = None
+                self.history.append((self._step, "cancel", agent))
+
     def end(self) -> None:
         """The run is over: every agent is unreachable (STE inf) until a new start."""
         with self._lock:
@@ -110,12 +121,7 @@ class WorkflowTracker:
 
     def next_agents(self) -> list[str]:
         """Agents that can run soonest after the current ones (smallest STE > 0)."""
-        ste = self.ste()
-        finite = [v for v in ste.values() if 0 < v < INF]
-        if not finite:
-            return []
-        best = min(finite)
-        return [a for a, v in ste.items() if v == best]
+        return next_agents(self.ste())
 
     def __repr__(self) -> str:
         return (f"WorkflowTracker({self.graph.name!r}, workflow={self.workflow_id!r}, "

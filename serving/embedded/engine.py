@@ -28,8 +28,8 @@ Threading invariants:
   the engine thread (asyncio users get them via ``loop.call_soon_threadsafe``);
 - :meth:`stats` reads a snapshot the engine thread publishes, so /metrics never blocks a step.
 
-One scheduler step: ``manager.tick()`` (finish due loads, start prefetches from the planner's
-plan) → prepare new arrivals (match + lock, start on-demand loads of host-only prefixes) →
+One scheduler step: first poll of new arrivals (hit, pin, start on-demand loads of host-only
+prefixes) → ``manager.tick()`` (finish due loads, start prefetches from the planner's plan) →
 admit ready requests (status-aware: loading ones are skipped, see ``scheduler.py``; pages for
 prompt + max_tokens are reserved at admission) → chunked prefill (``max_prefill_tokens`` per
 step, reusing each request's cached device prefix) → one batched decode over all running
@@ -39,12 +39,13 @@ With ``host_link_gbps`` the pool *emulates* a GPU's host link: a load's bytes ar
 but its pages only become usable at ``start + bytes / (X GB/s)``; this costs no CPU and exists
 to demonstrate prefetch/overlap on machines without a GPU.
 
-Cache protocol per request (the policy core's): ``match`` (hit counters) + ``lock`` on arrival,
-``load_on_demand`` for a host-only part unless recomputing it is cheaper (``recompute_aware``:
-the measured prefill speed vs the manager's link estimate, queueing included), ``peek`` +
-``status(record=True)`` while it waits, ``match`` again + ``allocate`` on admission, ``insert``
-after prefill and at the end, ``tag_fixed_prefix`` / ``infer_fixed_prefix``, ``unlock``. Pages
-still needed by queued requests are the prefetch budget's reserve (``set_reserved_pages``).
+Cache protocol per request: the policy core's session (``serving/policy/session.py``), as
+every engine drives it: ``manager.arrive`` when a request is added (its hints merged),
+``poll`` when first seen by a step (hit counters, pin, start a demand load unless recomputing
+the host part is cheaper) and while it waits (status-aware: LOADING is skipped), ``admit`` for
+its pages, ``commit`` after prefill (insert + tag the fixed prefix), ``finish`` at the end. The
+engine reports its step time (``observe_step``: a loaded request is admitted a step later) and,
+with ``recompute_aware``, its prefill speed (``observe_prefill``: the recompute estimate).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ import random
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+from kvflow_agents.serving.policy import CacheFullError
 
 from .engine_config import EngineConfig, EngineInputError, params_from_kwargs
 from .scheduler import (Completion, Request, RequestState, SamplingParams, Scheduler,
@@ -101,7 +104,8 @@ class Engine:
             self.policy, page_size=ps, device_pages=dev_pages, host_pages=host_pages,
             backend=self.pool, lookahead=cfg.lookahead, max_inflight_loads=cfg.max_inflight_loads,
             lease_s=cfg.lease_s, bytes_per_page=self.pool.bytes_per_page,
-            link_bytes_per_s=cfg.host_link_gbps * 1e9 if cfg.host_link_gbps else None)
+            link_bytes_per_s=cfg.host_link_gbps * 1e9 if cfg.host_link_gbps else None,
+            reserve_window=2 * cfg.max_batch)  # prefetch never takes what queued work needs
         status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware
         self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
                                    max_skip_s=cfg.max_skip_s)
@@ -110,9 +114,6 @@ class Engine:
         from .sampling import BatchSampler
         self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
         self.sampler = BatchSampler(self.grammar)
-        self.manager.set_reserved_pages(self._reserved_pages)  # prefetch never takes this room
-        self._spt: Optional[float] = None  # measured prefill seconds per token (EMA)
-        self._step_s = 0.0                 # measured duration of a busy scheduler step (EMA)
         self._cuda = torch.device(cfg.device).type == "cuda"
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
@@ -360,29 +361,26 @@ class Engine:
         nxt = self.manager.next_load_at
         nxt = nxt() if callable(nxt) else nxt
         t = 0.5
-        if nxt is not None:
+        if nxt is not None:  # demand loads and prefetches alike
             t = min(t, nxt - self.pool.now())
-        for r in self.scheduler.waiting:
-            if r.ready_at is not None and r.state is RequestState.LOADING:
-                t = min(t, r.ready_at - self.pool.now())
         return max(t, 0.0005)
 
     def _step(self) -> bool:
         t0 = time.perf_counter()
         progress = self._step_once()
         if progress:
-            self._step_s = 0.9 * self._step_s + 0.1 * (time.perf_counter() - t0)
+            self.manager.observe_step(time.perf_counter() - t0)
         return progress
 
     def _step_once(self) -> bool:
         sched, mgr = self.scheduler, self.manager
         self.counters["steps"] += 1
         progress = False
-        for i, req in enumerate(list(sched.waiting)):  # bounded: prepared requests pin memory
+        for i, req in enumerate(list(sched.waiting)):  # bounded: polled requests pin their prefix
             if i >= sched.max_batch:
                 break
-            if not req.prepared:
-                self._prepare(req)  # demand loads go on the link before this step's prefetches
+            if not req.session.looked:
+                self._poll(req)  # demand loads go on the link before this step's prefetches
                 progress = True
         rep = mgr.tick(self.pool.now())  # finish due loads, then plan + start prefetches
         progress |= bool(rep.loads_finished or rep.prefetches_started)
@@ -399,112 +397,35 @@ class Engine:
     # -- per request ------------------------------------------------------------------------
     def _add(self, req: Request) -> None:
         self._requests[req.rid] = req
-        self.scheduler.add(req)  # first, so the prefetch budget reserves its pages
-        if req.hints is not None:
-            self._apply_hints(req.hints, out_of_band=False)
+        req.session = self.manager.arrive(  # merges its hints; reserves its pages (prefetch budget)
+            req.prompt_ids, req.hints, fixed_len=req.fixed_len,
+            kv_tokens=len(req.prompt_ids) + req.params.max_tokens - 1)
+        self.scheduler.add(req)
 
     def _apply_hints(self, h: Any, *, out_of_band: bool) -> None:
-        if out_of_band and getattr(h, "event", None) == "end":
-            self.manager.release_workflow(h.workflow, app=h.app)
-            return
-        # A request's own hint does not plan prefetches here: the step first queues the
-        # request's demand load on the (FIFO) link, then ``tick`` plans the next agents'
-        # prefetches behind it; otherwise a request would wait for the prefetch it triggered.
-        self.manager.update_hints(h.workflow, dict(h.ste), agent=None if out_of_band else h.agent,
-                                  step=h.step, app=h.app, plan=out_of_band)
+        """Out-of-band hints (a request's own come in with ``manager.arrive``)."""
+        self.manager.apply_hints(h)
 
-    def _prepare(self, req: Request) -> None:
-        """First look at the cache: record the hit, pin the matched path, start a host load."""
-        mgr = self.manager
-        m = mgr.match(req.prompt_ids, record=True)
-        req.lock_node = mgr.lock(m)
-        req.device_hit, req.host_hit = m.device_len, m.host_len
-        req.prepared = True
-        if not (m.needs_load or m.loading):
-            return
-        req.load_started = self.pool.now()
-        outcome = self._load_or_recompute(req, m) if m.needs_load else "loading"
-        if m.loading or outcome != "recompute":
-            req.state = RequestState.LOADING
-
-    def _load_or_recompute(self, req: Request, m) -> str:
-        """Start loading the host-only part of ``m`` ("loading"), or decline because recomputing
-        it is cheaper than waiting for the link ("recompute"), or "no_room" (retry later)."""
-        mgr = self.manager
-        rs = None
-        if self.config.recompute_aware and self._spt is not None:
-            # A loading request is admitted one scheduler step after its pages land at the
-            # earliest, while recomputed tokens join this step's prefill: charge the load a step.
-            rs = max(0.0, m.host_len * self._spt - self._step_s)
-        ready = mgr.load_on_demand(m, recompute_s=rs)
-        if ready is not None:
-            req.ready_at = ready
-            return "loading"
-        host_pages = sum(len(n.host_pages) for n in m.node.path()
-                         if n.device_pages is None and n.host_pages is not None)
-        if rs is not None and host_pages and not mgr.should_load(host_pages, rs):
-            req.recompute_host = True
-            return "recompute"
-        return "no_room"
+    def _poll(self, req: Request) -> bool:
+        """Ask the cache whether ``req`` can run now (the first poll records its hit, pins its
+        prefix and starts a demand load); LOADING / NEEDS_LOAD keep it waiting."""
+        p = req.session.poll()
+        req.state = RequestState.WAITING if p.ready else RequestState.LOADING
+        return p.ready
 
     def _is_ready(self, req: Request) -> bool:
-        """Status-aware readiness of a prepared request: its cached prefix is readable, or the
-        rest will be recomputed. A request kept waiting by a load records it (hidden/exposed)."""
-        if not req.prepared:
-            return False
-        if req.state is not RequestState.LOADING:
-            return True
-        mgr = self.manager
-        p = mgr.peek(req.prompt_ids)
-        if p.loading:
-            mgr.status(req.prompt_ids, record=True)
-            return False
-        if p.needs_load and not req.recompute_host:
-            m = mgr.match(req.prompt_ids, record=False)
-            self._relock(req, m.node)
-            if self._load_or_recompute(req, m) != "recompute":
-                return False
-        req.state = RequestState.WAITING
-        req.load_wait_s += self.pool.now() - (req.load_started or self.pool.now())
-        return True
-
-    def _reserved_pages(self) -> int:
-        """Device pages queued requests will still allocate (the prefetch budget's reserve)."""
-        ps, total = self.page_size, 0
-        for r in list(self.scheduler.waiting)[: 2 * self.scheduler.max_batch]:
-            need = -(-(len(r.prompt_ids) + (r.params.max_tokens or 1) - 1) // ps)
-            have = r.device_hit if r.prepared else self.manager.peek(r.prompt_ids).device_len
-            total += max(0, need - have // ps)
-        return total
-
-    def _relock(self, req: Request, node) -> None:
-        mgr = self.manager
-        new = mgr.lock(node)
-        if req.lock_node is not None:
-            mgr.unlock(req.lock_node)
-        req.lock_node = new
+        """Status-aware readiness (the scheduler's admission rule): only requests a step has
+        already looked at; a wait on a load is recorded by the session (hidden/exposed)."""
+        return req.session.looked and self._poll(req)
 
     def _admit(self, req: Request) -> bool:
-        mgr, ps = self.manager, self.page_size
-        m = mgr.match(req.prompt_ids, record=False)
-        self._relock(req, m.node)
-        n = len(req.prompt_ids)
-        reuse = min(m.device_len, (n - 1) // ps * ps)  # prefill needs >= 1 new token
-        prefix = list(m.device_pages[:reuse // ps])
-        total = max(1, -(-(n + req.params.max_tokens - 1) // ps))
-        new = mgr.allocate(total - len(prefix))
-        if new is None and not self.scheduler.running and not mgr.loads_in_flight:
-            self._release_waiting_locks(req)
-            new = mgr.allocate(total - len(prefix))
-            if new is None:
-                self._finish(req, "error", error="not enough device KV memory for this request")
-                return True
-        if new is None:
-            return False  # wait for running requests to free memory (no overtaking)
+        try:
+            if not req.session.admit():
+                return False  # wait for running requests to free memory (no overtaking)
+        except CacheFullError:
+            self._finish(req, "error", error="not enough device KV memory for this request")
+            return True
         self._ensure_device_capacity()
-        req.pages, req.own_from, req.reused = prefix + new, len(prefix), reuse
-        req.host_hit = min(req.host_hit, max(0, reuse - req.device_hit))
-        req.device_hit = reuse - req.host_hit
         req.prefill_at = time.monotonic()
         self.scheduler.admitted(req)
         import torch
@@ -512,7 +433,7 @@ class Engine:
         req.generator.manual_seed(req.params.seed if req.params.seed is not None else random.getrandbits(63))
         stop_ids = () if req.params.ignore_eos else None
         req.detok = self.tokenizer.stream(stop=req.params.stop, stop_token_ids=stop_ids)
-        req.prefilled = reuse
+        req.prefilled = req.session.reused
         return True
 
     def _prefill(self) -> bool:
@@ -534,25 +455,17 @@ class Engine:
                 t0 = time.perf_counter()
                 logits = self.model.prefill(self.pool.device_kv, req.prompt_ids[req.prefilled:req.prefilled + k],
                                             req.pages, req.prefilled)
-                spt = (time.perf_counter() - t0) / k
-                self._spt = spt if self._spt is None else 0.8 * self._spt + 0.2 * spt
+                if self.config.recompute_aware:  # the recompute estimate of load-vs-recompute
+                    self.manager.observe_prefill(k, time.perf_counter() - t0)
             except Exception as e:
                 log.exception("prefill failed for %s", req.rid)
                 self._finish(req, "error", error=f"prefill failed: {e}")
                 continue
             req.prefilled += k
             if req.prefilled == n:
-                self._cache(req, n)
-                self._tag(req)
+                req.session.commit()  # the prompt joins the tree; the fixed prefix is tagged
                 self._emit(req, *self.sampler.sample(logits, [req])[0])
         return did
-
-    def _release_waiting_locks(self, keep: Request) -> None:
-        """Deadlock breaker: nothing runs and memory is short; un-prepare the other waiters."""
-        for r in self.scheduler.waiting:
-            if r is not keep and r.prepared and r.lock_node is not None:
-                self.manager.unlock(r.lock_node)
-                r.lock_node, r.prepared, r.state = None, False, RequestState.WAITING
 
     def _ensure_device_capacity(self) -> None:
         """The oracle's page allocator grows; grow the device tensor to match."""
@@ -565,30 +478,6 @@ class Engine:
         extra = max(need, 2 * have) - have
         shape = kv.shape[:2] + (extra,) + kv.shape[3:]
         self.pool.device_kv = torch.cat([kv, torch.zeros(shape, dtype=kv.dtype, device=kv.device)], 2)
-
-    def _cache(self, req: Request, n_tokens: int) -> None:
-        """Insert the first ``n_tokens`` (page-aligned down) of the request's sequence into the
-        tree; the tree owns those pages afterwards (duplicates of cached runs are freed by it, so
-        the request switches to the tree's copies) and the request's lock moves to the new node."""
-        ps = self.page_size
-        k = n_tokens // ps
-        if k <= req.own_from or k == 0:
-            return
-        seq = req.prompt_ids + req.output_ids
-        node = self.manager.insert(seq[:k * ps], req.pages[:k])
-        self._relock(req, node)
-        tree_pages = [p for nd in node.path() for p in nd.device_pages]
-        req.pages[:k] = tree_pages[:k]
-        req.own_from = k
-
-    def _tag(self, req: Request) -> None:
-        h = req.hints
-        if h is None:
-            return
-        if req.fixed_len is not None:
-            self.manager.tag_fixed_prefix(req.prompt_ids, req.fixed_len, h.workflow, h.agent, app=h.app)
-        else:
-            self.manager.infer_fixed_prefix(h.workflow, h.agent, req.prompt_ids, app=h.app)
 
     def _decode(self) -> None:
         running = [r for r in self.scheduler.running if r.output_ids]  # prefill done
@@ -637,28 +526,20 @@ class Engine:
         was_running = req.state is RequestState.RUNNING
         self.scheduler.remove(req.rid)
         self._requests.pop(req.rid, None)
-        mgr = self.manager
-        if was_running and req.pages:
-            written = req.prefilled + max(0, len(req.output_ids) - 1)  # tokens with KV
-            if reason != "error":
-                self._cache(req, written)
-            own = req.pages[req.own_from:]
-            if own:
-                mgr.free(own)
-            req.pages = []
-        if req.lock_node is not None:
-            mgr.unlock(req.lock_node)
-            req.lock_node = None
+        s = req.session
+        if s is not None:  # the tree keeps what was written (not after an error); pages freed
+            written = req.prefilled + max(0, len(req.output_ids) - 1) if was_running else 0
+            s.finish(req.prompt_ids + req.output_ids, written, cache=reason != "error")
         req.state = RequestState.FINISHED
         now = time.monotonic()
         text = req.detok.text if req.detok is not None else ""
         comp = Completion(
             id=req.rid, text=text, token_ids=list(req.output_ids), finish_reason=reason,
-            prompt_tokens=len(req.prompt_ids), cached_tokens=req.reused,
-            device_hit_tokens=req.device_hit if was_running else 0,
-            host_hit_tokens=req.host_hit if was_running else 0,
-            computed_tokens=len(req.prompt_ids) - req.reused if was_running else 0,
-            queue_s=(req.prefill_at or now) - req.arrival, load_wait_s=req.load_wait_s,
+            prompt_tokens=len(req.prompt_ids), cached_tokens=s.reused if s else 0,
+            device_hit_tokens=s.device_hit if was_running else 0,
+            host_hit_tokens=s.host_hit if was_running else 0,
+            computed_tokens=len(req.prompt_ids) - s.reused if was_running else 0,
+            queue_s=(req.prefill_at or now) - req.arrival, load_wait_s=s.load_wait_s if s else 0.0,
             ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival, error=error,
             logprobs=list(req.logprobs) if req.params.logprobs else None)
         c = self.counters

@@ -5,7 +5,7 @@ once per step and does the cache and model work itself.
 
 Request life cycle (``Request.state``)::
 
-    WAITING ──(prepared: matched, locked, load started if host-only)──> WAITING/LOADING
+    WAITING ──(first poll: matched, pinned, load started if host-only)──> WAITING/LOADING
     LOADING ──(load ready)──> WAITING ──(admitted: pages allocated, prefill)──> RUNNING
     RUNNING ──(EOS / stop string / max_tokens / abort)──> FINISHED
 
@@ -154,17 +154,8 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     state: RequestState = RequestState.WAITING
     # cache bookkeeping (engine thread only)
-    prepared: bool = False
-    lock_node: Any = None              # manager lock handle while prepared/running
-    ready_at: Optional[float] = None   # load ready time (backend clock) when LOADING
-    load_started: Optional[float] = None
-    recompute_host: bool = False       # its host-only prefix part is recomputed, not loaded
-    device_hit: int = 0
-    host_hit: int = 0
-    reused: int = 0                    # prompt tokens taken from the cache at prefill
+    session: Any = None                # the policy core's RequestSession (manager.arrive)
     prefilled: int = 0                 # prompt tokens whose KV is written (chunked prefill)
-    pages: list[int] = field(default_factory=list)
-    own_from: int = 0                  # pages[own_from:] belong to the request (not the tree)
     # decoding
     output_ids: list[int] = field(default_factory=list)
     detok: Any = None
@@ -177,6 +168,11 @@ class Request:
     first_token_at: Optional[float] = None
     load_wait_s: float = 0.0
     aborted: bool = False
+
+    @property
+    def pages(self) -> list[int]:
+        """Device page ids of the request's KV (the session's; empty until admitted)."""
+        return self.session.pages if self.session is not None else []
 
     @property
     def seq_len(self) -> int:

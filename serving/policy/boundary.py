@@ -1,6 +1,6 @@
 """Where an agent's fixed prefix ends when the client declares no boundary.
 
-Rule (shared by the embedded engine through :class:`KVCacheManager` and by the SGLang plugin):
+Rule (shared by every engine through :class:`~.tags.TagBook`):
 the longest prefix common to the agent's last ``window`` prompts, 0 until two are seen. An
 agent's fixed prompt is what stays the same across its calls; the rest is per-call variables.
 """
@@ -11,19 +11,29 @@ from collections import deque
 from typing import Hashable, MutableMapping, Sequence
 
 
-def common_prefix_len(a: tuple, b: tuple, hi: int) -> int:
-    """Length of the common prefix of ``a`` and ``b``, at most ``hi`` (binary search on slices:
-    tuple comparison runs in C, so this beats a Python loop on long prompts)."""
-    hi = min(hi, len(a), len(b))
+def common_prefix_len(a: Sequence, b: Sequence, hi: int | None = None, *, step: int = 1) -> int:
+    """Length of the common prefix of ``a`` and ``b`` (at most ``hi``), rounded down to a
+    multiple of ``step`` (a page). The one implementation the policy core, the tokenizers and
+    the SGLang plugin share. Binary search on slices: comparing slices runs in C, so this beats
+    a Python loop on long prompts (lists and tuples; other sequences are compared as lists)."""
+    if not isinstance(a, (list, tuple)):
+        a = list(a)
+    if not isinstance(b, (list, tuple)):
+        b = list(b)
+    if type(a) is not type(b):
+        a, b = list(a), list(b)
+    n = min(len(a), len(b))
+    hi = n if hi is None else min(hi, n)
+    hi -= hi % step
     if a[:hi] == b[:hi]:
         return hi
     lo = 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
+    while lo < hi:  # invariant: a[:lo] == b[:lo], a[:hi + step] != b[:hi + step] (or hi = max)
+        mid = (lo + hi + step) // 2 // step * step
         if a[:mid] == b[:mid]:
             lo = mid
         else:
-            hi = mid - 1
+            hi = mid - step
     return lo
 
 

@@ -122,22 +122,3 @@ def get_policy(name: "str | CachePolicy", **kwargs) -> CachePolicy:
 
 def register_policy(name: str, factory: Callable[..., CachePolicy]) -> None:
     POLICIES[name] = factory
-
-
-class EvictionStrategyAdapter:
-    """Duck-types SGLang's ``EvictionStrategy`` so another engine's tree evicts in our order.
-
-    ``get_priority(node)`` returns the key SGLang's min-heap pops first, built from the
-    engine-agnostic :class:`~.priority.PriorityIndex` (fed by the adapter's insert/split/evict
-    hooks) and the node's own LRU timestamp. No SGLang import: register an instance (or a
-    factory returning one) in SGLang's ``_EVICTION_POLICY_FACTORIES``.
-    """
-
-    def __init__(self, policy: "str | CachePolicy", index, *,
-                 last_access: Callable = lambda node: node.last_access_time) -> None:
-        self.policy = get_policy(policy)
-        self.index = index
-        self.last_access = last_access
-
-    def get_priority(self, node) -> tuple:
-        return self.policy.eviction_key(self.index.priority(node), self.last_access(node))

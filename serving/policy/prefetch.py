@@ -1,9 +1,13 @@
-"""Prefetch planner: which host-only fixed prefixes to load, in which order.
+"""Prefetch: which host-only fixed prefixes to load, in which order (:class:`PrefetchPlanner`),
+and the one executor every engine shares (:class:`Prefetcher`).
 
-Engine-agnostic: it sees candidates (an agent's tag, its STE, how many pages are still on host
-only, its workflow's measured step time) and returns an ordered plan. The manager (or an
-adapter for another engine) executes the plan under its own limits: in-flight loads, free device
-space, and the no-thrash rule (never evict a node whose priority is <= the fetched agent's STE).
+The planner is engine-agnostic: it sees candidates (an agent's tag, its STE, how many pages are
+still on host only, its workflow's measured step time) and returns an ordered plan.
+The :class:`Prefetcher` turns the tag book's near, host-only tags into candidates, plans them
+once, and starts each under the shared limits (in-flight prefetches, the device budget beyond
+the pages queued work will need, the no-thrash rule: never evict a node whose priority is <=
+the fetched agent's STE) through a :class:`PrefetchTarget`: our tiered store, or SGLang's tree
+whose ``load_back`` starts the transfer.
 
 Order = urgency, not arrival: ``urgency = transfer time still needed / time left before the
 agent runs`` with ``transfer = pages x seconds-per-page`` and ``time left = STE x step time``
@@ -17,16 +21,13 @@ recomputing its host-only pages). A load that cannot finish before its agent run
 from the plan (listed in ``last_skipped``) when the agent would still wait longer for it than
 recomputing takes (``finish - deadline > recompute_s``). Without ``recompute_s``: always loaded.
 
-Budget: ``plan(..., budget_pages=N)`` keeps only loads that fit in ``N`` pages in all (most
-urgent first; those that do not fit go to ``last_skipped`` too), for engines that compute the
-room a prefetch may take (free + evictable-by-larger-priority - pages queued work will need).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable, Protocol
 
 INF = math.inf
 
@@ -56,13 +57,13 @@ class PrefetchPlanner:
     def __init__(self, *, lookahead: float = 1, secs_per_page: float = 0.0) -> None:
         self.lookahead = lookahead
         self.secs_per_page = secs_per_page  # 0 = unknown: every load counts as instant
-        self.last_skipped: list[PlannedLoad] = []  # dropped by the last plan() (recompute/budget)
+        self.last_skipped: list[PlannedLoad] = []  # dropped by the last plan(): recompute cheaper
 
     def eligible(self, ste: float) -> bool:
         return ste <= self.lookahead
 
-    def plan(self, candidates: Iterable[PrefetchCandidate], *, link_busy_s: float = 0.0,
-             budget_pages: int | None = None) -> list[PlannedLoad]:
+    def plan(self, candidates: Iterable[PrefetchCandidate], *, link_busy_s: float = 0.0
+             ) -> list[PlannedLoad]:
         """Order candidates by urgency; loads that cannot finish in time go last (or are
         dropped when recomputing is cheaper than waiting for them; see the module doc)."""
         spp = self.secs_per_page
@@ -81,15 +82,6 @@ class PrefetchPlanner:
                 urgency = transfer / deadline
             items.append(PlannedLoad(c, transfer, deadline, urgency, True))
         items.sort(key=lambda p: (-p.urgency, p.candidate.ste, p.candidate.pages))
-        if budget_pages is not None:
-            kept, left = [], budget_pages
-            for p in items:
-                if p.candidate.pages <= left:
-                    left -= p.candidate.pages
-                    kept.append(p)
-                else:
-                    skipped.append(p)
-            items = kept
         on_time, late = [], []
         t = link_busy_s
         for p in items:
@@ -111,3 +103,149 @@ class PrefetchPlanner:
             p.finish_s = t
             kept_late.append(p)
         return on_time + kept_late
+
+
+# ------------------------------------------------------------------------------ executor
+class PrefetchTarget(Protocol):
+    """What the prefetcher asks of the engine's tree (our store, or the SGLang adapter)."""
+
+    evicts: bool                      # a bounded device pool (else: no budget to check)
+
+    def host_pages(self, node) -> int:
+        """Pages a load must bring for ``node``'s path to be readable; 0: nothing to load now
+        (already on device, loading, or gone)."""
+        ...
+
+    def free_pages(self) -> int: ...
+
+    def evictable_pages(self) -> int: ...
+
+    def evictable_above(self, ste: float) -> int:
+        """Device pages a prefetch for an agent of STE ``ste`` may evict (priority > ste)."""
+        ...
+
+    def start_prefetch(self, candidate: PrefetchCandidate, now: float):
+        """Start loading ``candidate.node``'s host-only path, evicting only priorities >
+        ``candidate.ste``; return the tracker's :class:`~.loads.Load`, or None (no room / no
+        slot: retried at the next plan)."""
+        ...
+
+
+class Prefetcher:
+    """Candidates -> one budget -> planner -> start through the target (module doc).
+
+    ``reserve`` (an int, or a callable evaluated only when a prefetch needs room): device pages
+    queued and admitted work will still allocate. A prefetch of ``k`` pages for STE ``s``
+    starts only if ``k <= free + evictable above s - reserve`` (M5), so the next admission
+    does not evict it unused.
+
+    An agent whose own request is already waiting (``hold(tag)`` until it is admitted or
+    gone) is not prefetched: that request decides, with its demand load or by recomputing
+    when that is cheaper, so the decision does not depend on whether the engine looks at a
+    new request before or after its scheduler step's prefetch.
+    """
+
+    def __init__(self, book, loads, metrics, target: PrefetchTarget, *, page_size: int,
+                 max_inflight: int = 4, default_step_s: float = 1.0,
+                 reserve: "int | Callable[[], int]" = 0) -> None:
+        self.book, self.loads, self.metrics, self.target = book, loads, metrics, target
+        self.page_size = page_size
+        self.max_inflight = max_inflight
+        self.default_step_s = default_step_s
+        self.reserve = reserve
+        self.planner = PrefetchPlanner(lookahead=book.lookahead, secs_per_page=loads.secs_per_page)
+        self.pending: set = set()     # planned but not started (retried next time)
+        self._held: dict = {}         # tag -> waiting requests of that agent
+
+    def hold(self, tag) -> None:
+        self._held[tag] = self._held.get(tag, 0) + 1
+
+    def unhold(self, tag) -> None:
+        n = self._held.get(tag, 0) - 1
+        if n > 0:
+            self._held[tag] = n
+        else:
+            self._held.pop(tag, None)
+
+    @property
+    def reserved_pages(self) -> int:
+        r = self.reserve
+        v = r() if callable(r) else r
+        return max(0, int(v or 0))
+
+    def room(self, ste: float) -> int:
+        """Device pages a prefetch for an agent of STE ``ste`` may take now."""
+        t = self.target
+        return t.free_pages() + t.evictable_above(ste) - self.reserved_pages
+
+    def candidates(self, now: float) -> list[PrefetchCandidate]:
+        book, loads, target = self.book, self.loads, self.target
+        hints, index, ps = book.hints, book.index, self.page_size
+        estimate = loads.has_recompute_estimate
+        out, held = [], self._held
+        for tag in book.prefetch_candidates():
+            if tag in held:
+                continue  # its own request is waiting: that request decides
+            rec = book.records[tag]
+            node = rec.node
+            if node is None:
+                continue
+            pages = target.host_pages(node)
+            if pages <= 0:
+                continue
+            rec_s = (loads.recompute_s(pages * ps, len(rec.tokens) - pages * ps)
+                     if estimate else None)
+            wf = tag[0]
+            out.append(PrefetchCandidate(tag, index.ste(tag), pages,
+                                         hints.step_seconds(wf, self.default_step_s), node,
+                                         hints.step_elapsed(wf, now), rec_s))
+        return out
+
+    def run(self, now: float) -> list:
+        """Plan and start prefetches; returns the tags started."""
+        cands = self.candidates(now)
+        previously = self.pending
+        if not cands and not previously:
+            return []
+        planner, loads, metrics, target, book = (self.planner, self.loads, self.metrics,
+                                                 self.target, self.book)
+        planner.lookahead = book.lookahead
+        planner.secs_per_page = loads.secs_per_page
+        plan = planner.plan(cands, link_busy_s=loads.link_busy_s(now))
+        metrics.prefetch_recompute_skips += len(planner.last_skipped)
+        planned = {p.candidate.tag for p in plan}
+        for tag in previously - planned:
+            node = book.node_of(tag)
+            if node is not None and target.host_pages(node) > 0:
+                metrics.prefetch_stale += 1  # a newer hint made this plan moot
+        started, pending = [], set()
+        reserve: int | None = None   # evaluated lazily: only when a prefetch needs room
+        for p in plan:
+            c = p.candidate
+            k = target.host_pages(c.node)
+            if k <= 0:
+                continue  # covered by a load started for a sibling agent
+            if loads.inflight_prefetch >= self.max_inflight:
+                pending.add(c.tag)
+                continue
+            if target.evicts:
+                free = target.free_pages()
+                if reserve is None:
+                    reserve = self.reserved_pages
+                if free - reserve < k and (free + target.evictable_pages() - reserve < k or
+                                           free + target.evictable_above(c.ste) - reserve < k):
+                    pending.add(c.tag)
+                    metrics.prefetch_budget_skips += 1
+                    continue
+            ld = target.start_prefetch(c, now)
+            if ld is None:
+                pending.add(c.tag)
+                continue
+            started.append(c.tag)
+            loads.note_prefetch(ld)
+        metrics.prefetch_deferred += len(pending - previously)
+        self.pending = pending
+        return started
+
+    def forget(self, tags: Iterable) -> None:
+        self.pending.difference_update(tags)

@@ -16,7 +16,7 @@ Anything else raises :class:`IllegalTransition`. A LOADING node is never evicted
 pages are being written); an OFFLOADING node is not a device-eviction candidate, so it cannot be
 evicted twice.
 
-Structural invariants (checked by ``KVCacheManager.check_invariants``):
+Structural invariants (checked by ``inspection.check_invariants``):
 - T1: a node with device pages (DEVICE, LOADING, OFFLOADING) has a parent with device pages,
   or the root as parent: a device prefix is always contiguous from the root;
 - T2: every non-root node holds device pages, host pages, or both;
@@ -30,6 +30,8 @@ from __future__ import annotations
 import enum
 import itertools
 from typing import Callable, Sequence
+
+from .boundary import common_prefix_len
 
 
 class NodeState(enum.Enum):
@@ -84,16 +86,6 @@ class TreeNode:
             raise IllegalTransition(f"node {self.id}: {self.state.name} -> {new.name}")
         self.state = new
 
-    @property
-    def on_device(self) -> bool:
-        return self.device_pages is not None
-
-    @property
-    def num_pages(self) -> int:
-        if self.device_pages is not None:
-            return len(self.device_pages)
-        return len(self.host_pages) if self.host_pages is not None else 0
-
     def path(self) -> list["TreeNode"]:
         """Nodes from the first below the root down to ``self``."""
         out = []
@@ -135,21 +127,10 @@ class RadixTree:
         t = tuple(tokens)
         return t[:len(t) - len(t) % self.page_size]
 
-    def _common_len(self, key: tuple, tokens: tuple, i: int) -> int:
+    def common_len(self, key: tuple, tokens: tuple, i: int) -> int:
         """Page-aligned length of the common prefix of ``key`` and ``tokens[i:]``."""
         n = len(key)
-        if tokens[i:i + n] == key:
-            return n
-        ps = self.page_size
-        # Binary search on whole pages; slices compare at C speed.
-        lo, hi = ps, min(n, len(tokens) - i) // ps * ps  # first page matched (found by dict)
-        while lo < hi:
-            mid = (lo + hi + ps) // 2 // ps * ps
-            if tokens[i:i + mid] == key[:mid]:
-                lo = mid
-            else:
-                hi = mid - ps
-        return lo
+        return common_prefix_len(key, tokens[i:i + n], n, step=self.page_size)
 
     # -- queries ---------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], *, split: bool = True) -> tuple[list[TreeNode], int]:
@@ -165,7 +146,7 @@ class RadixTree:
             child = node.children.get(self.child_key(tokens, i))
             if child is None:
                 break
-            m = self._common_len(child.key, tokens, i)
+            m = self.common_len(child.key, tokens, i)
             if m < len(child.key):
                 if not split:
                     path.append(child)

@@ -1,30 +1,33 @@
 """``KVFlowRadixCache``: SGLang's ``UnifiedRadixCache`` with workflow-aware eviction and prefetch.
 
-A thin adapter from SGLang's radix tree to the policy core (``kvflow_agents.serving.policy``):
+SGLang keeps its own tree, scheduler and transfers; this adapter runs the policy core's parts
+over them (``kvflow_agents.serving.policy``), so the plugin shares one implementation with the
+embedded engine and the simulator:
 
-- **Tags.** When a request with hints is cached (``checkpoint_into_tree``), the node where its
-  agent's fixed prefix ends is split off (the same re-insert trick SGLang uses for the prompt
-  boundary) and tagged ``(workflow, agent)`` in a :class:`~kvflow_agents.serving.policy.PriorityIndex`.
-  The fixed-prefix length comes from ``kvflow_fixed_prefix_tokens`` (the HTTP layer turns
-  ``kvflow_fixed_messages`` into tokens with the chat template), else it is inferred from the
-  agent's recent requests (longest common prefix, as the policy core does).
-- **Priorities.** STE per tag lives in the policy core's :class:`HintRegistry` (leases, merge,
-  null = inf). Node priority = min STE of the tags in its subtree (the index), +inf elsewhere.
-- **Eviction.** :class:`KVFlowStrategy` is an SGLang ``EvictionStrategy`` returning the policy
-  core's ``KVFlowPolicy.eviction_key(priority, last_access_time)``: largest STE first, LRU among
-  equals. SGLang rebuilds its eviction heap from ``get_priority`` on every eviction call, so a
-  new hint takes effect at the next eviction. With no tags every key is ``(-inf, last_access)``,
-  i.e. exactly SGLang's LRU: without hints this is SGLang + HiCache as shipped.
-- **Prefetch.** Each scheduler step (``check_hicache_events``) the policy core's
-  :class:`PrefetchPlanner` orders the agents with STE <= lookahead whose tagged prefix is
-  host-only; each is loaded with SGLang's own ``load_back`` while a free load slot exists
-  (``has_free_load_back_slot``), and the eviction that makes room may only take nodes whose
-  priority is strictly larger than the fetched agent's STE (no thrash). Loads are started
-  right away (``cache_controller.start_loading``); nothing consumes them, so requests whose
-  prefix is still in flight are held back by the scheduler hook (:meth:`kvflow_blocked`).
+- :class:`~kvflow_agents.serving.policy.TagBook` (``kv_book``): tags, hints with leases, the
+  priority index, boundary inference, app-prefix memory. The adapter only finds the node where
+  a fixed prefix ends (:meth:`_prefix_node`: SGLang's own prompt-boundary split trick, a re-insert
+  with ``prev_prefix_len``) and keeps the index in step with SGLang's splits and leaf removals.
+- :class:`KVFlowStrategy` (``--radix-eviction-policy kvflow``): SGLang's heap pops the smallest
+  ``KVFlowPolicy.eviction_key(priority, last_access_time)``: largest STE first, LRU among equals.
+  With no tags every key is ``(-inf, last_access)``: exactly SGLang's LRU.
+- :class:`~kvflow_agents.serving.policy.Prefetcher` (``kv_prefetcher``) over a target whose
+  ``start_prefetch`` is SGLang's ``load_back`` (eviction floored at the fetched agent's STE: no
+  thrash), with the core's prefetch reserve (what the scheduler's waiting queue will still
+  allocate), in-flight cap and load-vs-recompute plan.
+- :class:`~kvflow_agents.serving.policy.LoadTracker` (``kv_loads``): every load-back, demand
+  or prefetch, is tracked until its ack is reaped (``loading_check``); the measured durations
+  calibrate the link estimate (seconds per page) the planner and the demand decision use. A
+  demand load (``init_load_back``) is skipped, and the host part recomputed, when the estimate
+  (link queue + transfer + one scheduler step) exceeds recomputing (measured prefill speed, or
+  ``recompute_s_per_token``). A request held back because its prefix is still loading records
+  the wait (:meth:`kvflow_blocked`): exposed load time; the first request that reads a
+  prefetch credits it (hidden / exposed, ``kv_metrics``).
+- :mod:`~kvflow_agents.serving.policy.inspection`: the snapshot's agents and workflows.
 
-Every decision is a function of what all TP ranks see identically (the broadcast requests, the
-tree, rank-agreed load acks), so ranks agree, as SGLang's ``rank_consensus`` checks for
+Every decision is a function of what all TP ranks see identically (broadcast requests, the
+tree, rank-agreed acks, a rank-agreed clock and, with several ranks, rank-agreed calibration:
+see :meth:`_kv_tick`), so ranks agree, as SGLang's ``rank_consensus`` checks for
 ``insert``/``evict``. SGLang is imported here, and only inside ``serving/sglang``.
 """
 
@@ -34,46 +37,61 @@ import logging
 import math
 import time
 from array import array
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvflow_agents.protocol import HintError, Hints
-from kvflow_agents.serving.policy.boundary import infer_boundary
-from kvflow_agents.serving.policy import (EvictionStrategyAdapter, HintRegistry, KVFlowPolicy,
-                                          PrefetchCandidate, PrefetchPlanner, PriorityIndex,
+from kvflow_agents.serving.policy import (CacheMetrics, CachePolicy, KVFlowPolicy, LoadTracker,
+                                          Prefetcher, PriorityIndex, TagBook, get_policy,
                                           workflow_key)
+from kvflow_agents.serving.policy.inspection import agents_view, workflows_view
 
 logger = logging.getLogger(__name__)
 
 INF = math.inf
 POLICY_NAME = "kvflow"
 FIXED_TOKENS_KEY = "kvflow_fixed_prefix_tokens"  # added by the HTTP layer (chat template)
+FULL = ComponentType.FULL
 
 
 # ------------------------------------------------------------------------------ strategy
+class EvictionStrategyAdapter:
+    """Duck-types SGLang's ``EvictionStrategy`` so another engine's tree evicts in our order:
+    ``get_priority(node)`` = ``policy.eviction_key(index.priority(node), node's LRU time)``."""
+
+    def __init__(self, policy: "str | CachePolicy", index: PriorityIndex, *,
+                 last_access: Callable = lambda node: node.last_access_time) -> None:
+        self.policy = get_policy(policy)
+        self.index = index
+        self.last_access = last_access
+
+    def get_priority(self, node) -> tuple:
+        return self.policy.eviction_key(self.index.priority(node), self.last_access(node))
+
+
 class KVFlowStrategy(EvictionStrategy):
-    """SGLang eviction strategy = the policy core's :class:`EvictionStrategyAdapter` (KVFlow
-    key ``(-priority, last_access_time)``); SGLang's heap pops the smallest key first.
+    """SGLang eviction strategy = :class:`EvictionStrategyAdapter` (KVFlow key
+    ``(-priority, last_access_time)``); SGLang's heap pops the smallest key first.
 
     SGLang builds it from ``--radix-eviction-policy kvflow`` with the JSON of
     ``--radix-eviction-policy-config`` as keyword arguments; the cache reads the optional
-    ``lookahead``, ``lease_s`` and ``max_prefetch`` from there. Until a
-    :class:`KVFlowRadixCache` binds its index (e.g. ``kvflow`` chosen with another cache
-    class), every node has priority +inf and the order is plain LRU.
+    ``lookahead``, ``lease_s``, ``max_prefetch`` and ``recompute_s_per_token`` from there.
+    Until a :class:`KVFlowRadixCache` binds its index, every node has priority +inf (LRU).
     """
 
     def __init__(self, lookahead: Optional[float] = None, lease_s: Optional[float] = None,
-                 max_prefetch: Optional[int] = None) -> None:
+                 max_prefetch: Optional[int] = None,
+                 recompute_s_per_token: Optional[float] = None) -> None:
         self.options = {"lookahead": lookahead, "lease_s": lease_s,
-                        "max_inflight_prefetch": max_prefetch}
+                        "max_inflight_prefetch": max_prefetch,
+                        "recompute_s_per_token": recompute_s_per_token}
         self.policy = KVFlowPolicy()
         self.adapter: Optional[EvictionStrategyAdapter] = None
 
@@ -111,22 +129,58 @@ class ReqHints:
     """What the cache remembers about a request's hints until it is cached."""
     tag: tuple                      # (workflow key, agent)
     workflow: str
+    agent: str
     app: Optional[str]
     fixed_tokens: Optional[int]     # declared boundary in tokens (None: infer)
     tagged: bool = False            # done for this request (later checkpoints skip the work)
+    timed: bool = False             # its prefill speed was measured
+    held: bool = True               # its agent is not prefetched while it waits (the core's rule)
 
 
 @dataclass
 class InflightLoad:
-    """A proactive load: the anchor's path tokens and where the loaded part starts."""
-    anchor_id: int
-    tag: tuple
-    ste: float
+    """A proactive load in flight: what status-aware admission compares prompts with."""
+    load: Any                       # the LoadTracker's Load
     tokens: tuple                   # page-aligned tokens root -> anchor
     extra_key: Any
     ready_len: int                  # tokens readable before the first loaded node
-    nodes: tuple                    # node objects being loaded
-    started: float
+
+
+class _SGLangTarget:
+    """The :class:`~kvflow_agents.serving.policy.PrefetchTarget` over SGLang's tree."""
+
+    evicts = True
+
+    def __init__(self, cache: "KVFlowRadixCache") -> None:
+        self.cache = cache
+
+    def host_pages(self, node) -> int:
+        c = self.cache
+        if not c._alive(node) or not node.evicted or not node.backuped or node.id in c._kv_loads:
+            return 0
+        pages, n = 0, node
+        while n is not None and n.evicted:
+            pages += len(n.key) // c.page_size if n.key is not None else 0
+            n = n.parent
+        return pages
+
+    def free_pages(self) -> int:
+        return self.cache._component_available_size(FULL) // self.cache.page_size
+
+    def evictable_pages(self) -> int:
+        return self.cache.evictable_size() // self.cache.page_size
+
+    def evictable_above(self, ste: float) -> int:
+        c = self.cache
+        prio, tokens = c.kv_index.priority, 0
+        for n in c.tree_core._node_arena.values():
+            if (n.parent is not None and not n.evicted and n.key is not None
+                    and n.component_data[FULL].lock_ref == 0 and prio(n) > ste):
+                tokens += len(n.key)
+        return tokens // c.page_size
+
+    def start_prefetch(self, cand, now: float):
+        return self.cache._start_prefetch(cand, now)
 
 
 class KVFlowRadixCache(UnifiedRadixCache):
@@ -138,6 +192,8 @@ class KVFlowRadixCache(UnifiedRadixCache):
     max_inflight_prefetch: int = 2   # <= SGLang's load-back slots (3); leaves one for demand
     infer_window: int = 3
     default_step_s: float = 1.0
+    recompute_s_per_token: Optional[float] = None  # None: measured prefill speed
+    reserve_window: int = 64         # waiting requests counted in the prefetch reserve
 
     def __init__(self, params, **kwargs) -> None:
         ensure_eviction_policy_registered()
@@ -165,8 +221,6 @@ class KVFlowRadixCache(UnifiedRadixCache):
                 if v is not None:
                     setattr(self, k, v)
         self.kv_policy = KVFlowPolicy()
-        self.kv_hints = HintRegistry(lease_s=self.lease_s)
-        self.kv_planner = PrefetchPlanner(lookahead=self.lookahead)
         # Rank-agreed clock for leases (see _kv_now); identical on every rank from the start.
         self._kv_steps = 0
         self._kv_clock = 0.0
@@ -176,7 +230,18 @@ class KVFlowRadixCache(UnifiedRadixCache):
 
     # ------------------------------------------------------------------ setup
     def _kv_reset_state(self) -> None:
-        self.kv_index = PriorityIndex(lambda n: n.parent)
+        self.kv_metrics = CacheMetrics()
+        self.kv_book = TagBook(page_size=self.page_size, parent_of=lambda n: n.parent,
+                               alive=self._alive, lookahead=self.lookahead, lease_s=self.lease_s,
+                               infer_window=self.infer_window, locate=self._locate)
+        self.kv_loads = LoadTracker(self.kv_metrics, recompute_s_per_token=self.recompute_s_per_token)
+        # several ranks: local measurements, agreed on at each clock sync (_kv_tick)
+        self._kv_local = LoadTracker(CacheMetrics())
+        self.kv_prefetcher = Prefetcher(self.kv_book, self.kv_loads, self.kv_metrics,
+                                        _SGLangTarget(self), page_size=self.page_size,
+                                        max_inflight=self.max_inflight_prefetch,
+                                        default_step_s=self.default_step_s,
+                                        reserve=self._reserve_pages)
         strategy = getattr(self.tree_core, "eviction_strategy", None)
         self.kv_strategy_bound = isinstance(strategy, KVFlowStrategy)
         if self.kv_strategy_bound:
@@ -185,14 +250,23 @@ class KVFlowRadixCache(UnifiedRadixCache):
             logger.warning("kvflow: eviction policy is %s, not 'kvflow': STE hints will tag and "
                            "prefetch but not reorder eviction", type(strategy).__name__)
         self._req_hints: dict[Any, ReqHints] = {}
-        self._history: dict[tuple, deque] = {}
-        self._wf_tags: dict[str, set] = {}
-        self._inflight: dict[int, InflightLoad] = {}
+        self._kv_loads: dict[int, Any] = {}        # anchor node id -> Load (demand + prefetch)
+        self._inflight: dict[int, InflightLoad] = {}  # anchor node id -> proactive load
+        self._kv_landed: dict[int, Any] = {}       # loaded node id -> landed, unread prefetch
+        self._kv_queue: Optional[Callable[[], list]] = None
+        self._kv_last_step: Optional[float] = None
         self._evict_floor: Optional[float] = None
-        self.kv_stats = {"tags": 0, "prefetch_issued": 0, "prefetch_tokens": 0,
-                         "prefetch_skipped_no_slot": 0, "prefetch_declined": 0,
+        self.kv_stats = {"tags": 0, "prefetch_skipped_no_slot": 0, "prefetch_declined": 0,
                          "hints": 0, "hint_errors": 0, "blocked_polls": 0,
                          "floor_stops": 0, "inferred_tags": 0}
+
+    @property
+    def kv_index(self) -> PriorityIndex:
+        return self.kv_book.index
+
+    @property
+    def kv_hints(self):
+        return self.kv_book.hints
 
     def _install_tree_hooks(self) -> None:
         """Keep the priority index in step with the tree: SGLang's TreeCore splits nodes
@@ -211,6 +285,7 @@ class KVFlowRadixCache(UnifiedRadixCache):
         def _remove_leaf_from_parent(node):
             orig_remove(node)
             try:
+                cache.kv_book.node_removed(node)
                 cache.kv_index.drop_node(node)
             except AssertionError:  # should not happen; never let bookkeeping crash serving
                 logger.exception("kvflow: index out of step on node removal; rebuilding")
@@ -220,14 +295,9 @@ class KVFlowRadixCache(UnifiedRadixCache):
         core._remove_leaf_from_parent = _remove_leaf_from_parent
 
     def _rebuild_index(self) -> None:
-        old = self.kv_index
-        self.kv_index = PriorityIndex(lambda n: n.parent)
+        self.kv_book.rebuild_index()
         if self.kv_strategy_bound:
             self.tree_core.eviction_strategy.bind(self.kv_index)
-        for tag in list(old.tags()):
-            node = old.node_of(tag)
-            if node is not None and self._alive(node):
-                self.kv_index.set_tag(tag, node, self._effective_ste(tag))
 
     def reset(self) -> None:
         super().reset()
@@ -237,9 +307,6 @@ class KVFlowRadixCache(UnifiedRadixCache):
     # ------------------------------------------------------------------ helpers
     def _alive(self, node) -> bool:
         return self.tree_core._node_arena.get(node.id) is node
-
-    def _effective_ste(self, tag: tuple) -> float:
-        return self.kv_hints.ste(tag[0], tag[1])
 
     @staticmethod
     def _key_tokens(node) -> list:
@@ -255,14 +322,29 @@ class KVFlowRadixCache(UnifiedRadixCache):
             out.extend(c)
         return out
 
-    # ------------------------------------------------------------------ time
+    def _residency(self, node) -> str:
+        if node is None or not self._alive(node):
+            return "none"
+        n = node
+        while n is not None and n is not self.tree_core.root_node:
+            if n.evicted:
+                return "host"
+            n = n.parent
+        if any(node in inf.load.nodes for inf in self._inflight.values()):
+            return "loading"
+        return "device"
+
+    # ------------------------------------------------------------------ time and calibration
     CLOCK_SYNC_STEPS = 32
 
+    def _multi_rank(self) -> bool:
+        return self.tp_world_size > 1 or (self.pp_size or 1) > 1
+
     def _kv_now(self) -> float:
-        """The clock leases are measured on. Single rank: wall time. Several ranks: a value
-        all ranks agreed on (MIN all-reduce every CLOCK_SYNC_STEPS scheduler steps), so a lease
-        expires at the same step everywhere and eviction stays identical across ranks."""
-        if self.tp_world_size <= 1 and (self.pp_size or 1) <= 1:
+        """The clock leases and load estimates use. Single rank: wall time. Several ranks: a
+        value all ranks agreed on (MIN all-reduce every CLOCK_SYNC_STEPS scheduler steps), so
+        a lease expires at the same step everywhere and eviction stays identical across ranks."""
+        if not self._multi_rank():
             return self._wall_clock()
         return self._kv_clock
 
@@ -272,13 +354,32 @@ class KVFlowRadixCache(UnifiedRadixCache):
 
     def _kv_tick(self) -> None:
         self._kv_steps += 1
-        if (self.tp_world_size > 1 or (self.pp_size or 1) > 1) and \
-                self._kv_steps % self.CLOCK_SYNC_STEPS == 1:  # the first step, then every N
+        if self._multi_rank() and self._kv_steps % self.CLOCK_SYNC_STEPS == 1:  # first, then every N
             import torch
 
-            t = torch.tensor([int(self._wall_clock() * 1000)], dtype=torch.int64, device="cpu")
+            # One MIN all-reduce: [clock, -calibration...] = [min clock, -max calibration];
+            # the slowest rank's link, step and prefill speed (0 = not measured yet).
+            loc = self._kv_local
+            ns = [int((v or 0.0) * 1e9) for v in (loc.measured_spp, loc.admission_delay_s,
+                                                  loc.measured_prefill_spt)]
+            t = torch.tensor([int(self._wall_clock() * 1000)] + [-x for x in ns],
+                             dtype=torch.int64, device="cpu")
             self._all_reduce(t, torch.distributed.ReduceOp.MIN)
-            self._kv_clock = int(t.item()) / 1000.0
+            self._kv_clock = int(t[0].item()) / 1000.0
+            spp, step, spt = (-int(x.item()) / 1e9 for x in t[1:])
+            self.kv_loads.measured_spp = spp or None
+            self.kv_loads.admission_delay_s = step
+            self.kv_loads.measured_prefill_spt = spt or None
+
+    def _calibration(self) -> LoadTracker:
+        """Where local measurements go: the live tracker (one rank) or the local one."""
+        return self._kv_local if self._multi_rank() else self.kv_loads
+
+    def _observe_step(self) -> None:
+        wall = time.perf_counter()
+        last, self._kv_last_step = self._kv_last_step, wall
+        if last is not None and wall - last < 0.5:  # a busy loop; longer gaps are idle time
+            self._calibration().observe_step(wall - last)
 
     # ------------------------------------------------------------------ hints in
     def kvflow_on_request(self, req) -> Optional[Hints]:
@@ -298,43 +399,42 @@ class KVFlowRadixCache(UnifiedRadixCache):
         if isinstance(fixed, bool) or not isinstance(fixed, int) or fixed <= 0:
             fixed = None
         wf = workflow_key(hints.workflow, hints.app)
-        self._req_hints[req.rid] = ReqHints((wf, hints.agent), hints.workflow, hints.app, fixed)
+        old = self._req_hints.get(req.rid)
+        if old is not None:
+            self._unhold(old)
+        info = self._req_hints[req.rid] = ReqHints((wf, hints.agent), hints.workflow, hints.agent,
+                                                   hints.app, fixed)
+        self.kv_prefetcher.hold(info.tag)  # its own request decides (demand load / recompute)
         self.kvflow_apply_hints(hints)
         return hints
 
+    def _unhold(self, info: ReqHints) -> None:
+        if info.held:
+            info.held = False
+            self.kv_prefetcher.unhold(info.tag)
+
+    def kvflow_watch_queue(self, waiting: Callable[[], list]) -> None:
+        """Where the scheduler's waiting queue is (the prefetch reserve reads it)."""
+        self._kv_queue = waiting
+
     def kvflow_apply_hints(self, hints: Hints, *, now: Optional[float] = None) -> None:
-        """Merge one hint (from a request or the out-of-band endpoint) into the STE table."""
+        """Merge one hint (from a request or the out-of-band endpoint): the policy core's."""
         now = self._kv_now() if now is None else now
-        wf = workflow_key(hints.workflow, hints.app)
         self.kv_stats["hints"] += 1
         if hints.event == "end":
-            self.kvflow_release_workflow(wf)
+            self.kvflow_release_workflow(hints.workflow, hints.app)
             return
-        ste = dict(hints.ste)
-        if hints.agent not in ste:
-            ste[hints.agent] = 0  # the sender is running now
-        changed, revived = self.kv_hints.update(wf, ste, now=now, step=hints.step,
-                                                client=hints.app or None)
-        agents = [t[1] for t in self._wf_tags.get(wf, ())] if revived else list(changed)
-        for agent in agents:
-            tag = (wf, agent)
-            if tag in self.kv_index:
-                self.kv_index.set_ste(tag, self._effective_ste(tag))
+        self.kv_book.update(hints.workflow, dict(hints.ste), agent=hints.agent, step=hints.step,
+                            app=hints.app, now=now)
 
-    def kvflow_release_workflow(self, wf: str) -> None:
-        self.kv_hints.release(wf)
-        for tag in self._wf_tags.pop(wf, ()):
-            self.kv_index.remove_tag(tag)
-            self._history.pop(tag, None)
+    def kvflow_release_workflow(self, workflow: str, app: Optional[str] = None) -> None:
+        dropped = self.kv_book.release(workflow, app)
+        for tag in dropped:
+            self.kv_loads.abandon(tag)
+        self.kv_prefetcher.forget(dropped)
 
     def kvflow_expire(self, now: Optional[float] = None) -> list:
-        now = self._kv_now() if now is None else now
-        expired = self.kv_hints.expire(now)
-        for wf in expired:
-            for tag in self._wf_tags.get(wf, ()):
-                if tag in self.kv_index:
-                    self.kv_index.set_ste(tag, INF)
-        return expired
+        return self.kv_book.expire(self._kv_now() if now is None else now)
 
     # ------------------------------------------------------------------ tagging
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
@@ -342,8 +442,11 @@ class KVFlowRadixCache(UnifiedRadixCache):
         info = self._req_hints.get(getattr(req, "rid", None))
         if info is None:
             return
+        self._unhold(info)  # admitted and computed: its prefix is in the tree
         if req.finished():
             self._req_hints.pop(req.rid, None)
+        if not info.timed:
+            info.timed = self._time_prefill(req)
         if info.tagged:
             return
         try:
@@ -354,7 +457,20 @@ class KVFlowRadixCache(UnifiedRadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
-        self._req_hints.pop(getattr(req, "rid", None), None)
+        info = self._req_hints.pop(getattr(req, "rid", None), None)
+        if info is not None:
+            self._unhold(info)
+
+    def _time_prefill(self, req) -> bool:
+        """The prefill speed (the recompute estimate), from SGLang's own request timestamps."""
+        ts = getattr(req, "time_stats", None)
+        t0, t1 = getattr(ts, "forward_entry_time", 0.0), getattr(ts, "prefill_finished_time", 0.0)
+        if not (t0 and t1 and t1 > t0):
+            return False
+        n = len(req.origin_input_ids) - int(getattr(req, "cached_tokens", 0) or 0)
+        if n > 0:
+            self._calibration().observe_prefill(n, t1 - t0)
+        return True
 
     def _tag_request(self, req, info: ReqHints) -> bool:
         """Tag the request's fixed prefix; True when done (or nothing to do ever)."""
@@ -363,60 +479,67 @@ class KVFlowRadixCache(UnifiedRadixCache):
         ps = self.page_size
         cached = int(req.kv.cache_protected_len)  # tokens of this request now owned by the tree
         prompt = list(req.origin_input_ids)
+        book = self.kv_book
         if info.fixed_tokens is not None:
             boundary = min(info.fixed_tokens, len(prompt))
             if cached < boundary // ps * ps:
                 return False  # chunked prefill: not all of the fixed prefix is cached yet
         else:
-            boundary = self._infer_boundary(info.tag, prompt)
+            boundary = book.infer_boundary(info.workflow, info.agent, prompt, info.app)
             if boundary:
                 self.kv_stats["inferred_tags"] += 1
         boundary = min(boundary, cached) // ps * ps
         if boundary <= 0:
             return True
-        self.tag_prefix(info.tag, prompt[:boundary], req.extra_key, getattr(req, "cache_salt", None),
-                        req_last_node=req.last_node)
+        before = book.node_of(info.tag)
+        extra, salt = req.extra_key, getattr(req, "cache_salt", None)
+        node = book.tag_fixed_prefix(
+            prompt, boundary, info.workflow, info.agent, app=info.app,
+            locate=lambda prefix: self._prefix_node(prefix, extra, salt, req.last_node))
+        if node is not None and node is not before:
+            self.kv_stats["tags"] += 1
         return True
 
-    def tag_prefix(self, tag: tuple, tokens: list, extra_key=None, cache_salt=None,
-                   *, req_last_node=None) -> Optional[int]:
-        """Split the tree where ``tokens`` end (page-aligned, already cached on device) and
-        tag that node. Returns its node id, or None when the prefix is not cached."""
-        b = len(tokens) // self.page_size * self.page_size
-        if b <= 0:
+    def _locate(self, prefix: tuple):
+        """The book's default locate (app-prefix binding, no request): the node where a cached
+        prefix ends (no extra key)."""
+        res = self.match_prefix(MatchPrefixParams(key=self._radix_key(prefix, None, None)))
+        if res.device_prefix_len < len(prefix) // self.page_size * self.page_size:
             return None
-        key = RadixKey(array("q", tokens[:b]), extra_key, is_bigram=self.tree_core.is_eagle,
-                       cache_salt=cache_salt).page_aligned(self.page_size)
+        return self._prefix_node(prefix, None, None, res.last_device_node)
+
+    def _radix_key(self, tokens, extra_key, cache_salt) -> RadixKey:
+        return RadixKey(array("q", tokens), extra_key, is_bigram=self.tree_core.is_eagle,
+                        cache_salt=cache_salt).page_aligned(self.page_size)
+
+    def _prefix_node(self, tokens, extra_key, cache_salt, anchor_id):
+        """Split the tree where ``tokens`` end (page-aligned, already cached on device below
+        ``anchor_id``) and return that node, or None when that prefix is not cached."""
+        if anchor_id is None or len(tokens) < self.page_size:
+            return None
+        key = self._radix_key(list(tokens), extra_key, cache_salt)
         b = len(key)
         if b <= 0:
             return None
-        anchor = req_last_node
-        if anchor is None:
-            return None
         if not self._full_only():
-            return self._tag_without_split(tag, anchor, b)
+            return self._node_within(anchor_id, b)
         # Values of the cached path (the tree's own pages): re-inserting key[:b] with them
         # and prev_prefix_len = b only splits (no page changes hands, nothing is freed).
-        path_values = self.path_device_indices(anchor)
+        path_values = self.path_device_indices(anchor_id)
         if len(path_values) < b:
             return None
         result = self.insert(InsertParams(key=key, value=path_values[:b].clone(),
                                           prev_prefix_len=b, inserted_len=b))
-        node_id = result.last_device_node
-        node = self.tree_core._node_arena.get(node_id)
+        node = self.tree_core._node_arena.get(result.last_device_node)
         if node is None or result.prefix_len < b:
             return None
-        if self.kv_index.node_of(tag) is not node:
-            self.kv_index.set_tag(tag, node, self._effective_ste(tag))
-            self._wf_tags.setdefault(tag[0], set()).add(tag)
-            self.kv_stats["tags"] += 1
-        return node_id
+        return node
 
     def _full_only(self) -> bool:
         comps = self._components_tuple
-        return len(comps) == 1 and comps[0].component_type == ComponentType.FULL
+        return len(comps) == 1 and comps[0].component_type == FULL
 
-    def _tag_without_split(self, tag: tuple, anchor_id, b: int) -> Optional[int]:
+    def _node_within(self, anchor_id, b: int):
         """Hybrid models (SWA / Mamba state per node): SGLang splits only Full-only trees, so
         neither do we; the tag goes on the deepest cached node that ends within the fixed
         prefix (a slightly shorter protected prefix, never a longer one)."""
@@ -433,18 +556,7 @@ class KVFlowRadixCache(UnifiedRadixCache):
             if depth > b:
                 break
             best = n
-        if best is None:
-            return None
-        if self.kv_index.node_of(tag) is not best:
-            self.kv_index.set_tag(tag, best, self._effective_ste(tag))
-            self._wf_tags.setdefault(tag[0], set()).add(tag)
-            self.kv_stats["tags"] += 1
-        return best.id
-
-    def _infer_boundary(self, tag: tuple, prompt: list) -> int:
-        """No declared boundary: what this agent's recent prompts share (the policy core's
-        rule, :func:`kvflow_agents.serving.policy.boundary.infer_boundary`)."""
-        return infer_boundary(self._history, tag, prompt, self.infer_window)
+        return best
 
     # ------------------------------------------------------------------ eviction
     def _evict(self, params, available_size_targets=None, *, allocation_reclaim_satisfied=None):
@@ -460,7 +572,6 @@ class KVFlowRadixCache(UnifiedRadixCache):
         return super()._evict(params, available_size_targets,
                               allocation_reclaim_satisfied=allocation_reclaim_satisfied)
 
-    # ------------------------------------------------------------------ eviction floor
     @contextmanager
     def _eviction_floor(self, floor: float):
         """While active, device eviction stops before a node whose priority is <= floor."""
@@ -474,19 +585,20 @@ class KVFlowRadixCache(UnifiedRadixCache):
     def _evict_device_next_node(self, component_type, tracker):
         node_id, progress = super()._evict_device_next_node(component_type, tracker)
         floor = self._evict_floor
-        if floor is not None and node_id is not None and component_type == ComponentType.FULL:
+        if floor is not None and node_id is not None and component_type == FULL:
             node = self.tree_core._node_arena.get(node_id)
             if node is not None and self.kv_index.priority(node) <= floor:
                 self.kv_stats["floor_stops"] += 1
                 return None, False  # stop the walk: the rest is at least as urgent
         return node_id, progress
 
-    # ------------------------------------------------------------------ prefetch
+    # ------------------------------------------------------------------ loads
     def check_hicache_events(self) -> None:
         super().check_hicache_events()
         if self.cache_controller is None or self.disable:
             return
         try:
+            self._observe_step()
             self._kv_tick()
             self.kvflow_expire()
             self.kvflow_prefetch()
@@ -495,118 +607,152 @@ class KVFlowRadixCache(UnifiedRadixCache):
 
     def loading_check(self, finish_count=None) -> None:
         super().loading_check(finish_count)
-        if self._inflight:
-            for anchor in [a for a in self._inflight if a not in self.ongoing_load_back]:
-                del self._inflight[anchor]
+        if not self._kv_loads:
+            return
+        now, wall = self._kv_now(), time.perf_counter()
+        multi = self._multi_rank()
+        for anchor in [a for a in self._kv_loads if a not in self.ongoing_load_back]:
+            ld = self._kv_loads.pop(anchor)
+            measured = wall - ld.wall_start
+            if multi:  # calibrate locally; decisions use the rank-agreed values
+                self._kv_local.observe_load(ld.pages, measured)
+                measured = 0.0
+            self.kv_loads.complete(ld, now, measured_s=measured)
+            if self._inflight.pop(anchor, None) is not None:
+                for n in ld.nodes:  # landed, unread: the first request that reads it credits it
+                    self._kv_landed[n.id] = ld
+
+    def init_load_back(self, params):
+        """SGLang's demand load (prefill admission), unless recomputing the host part is
+        cheaper than waiting for the link (the policy core's ``should_load``)."""
+        req = params.req
+        host_len = int(getattr(params, "host_hit_length", 0) or 0)
+        pages = host_len // self.page_size
+        if (pages > 0 and req is not None and self.buffer_pipeline is None
+                and getattr(self, "linker", None) is None):
+            now = self._kv_now()
+            device_len = len(getattr(req, "prefix_indices", ()) or ())
+            rec = self.kv_loads.recompute_s(host_len, device_len)
+            if not self.kv_loads.should_load(pages, rec, now):
+                self.kv_metrics.loads_declined += 1
+                self.kv_metrics.declined_pages += pages
+                return 0, req.last_node
+        out = super().init_load_back(params)
+        anchor = params.best_match_node
+        if out is not None and out[0] > 0 and anchor in self.ongoing_load_back \
+                and anchor not in self._kv_loads:
+            ld = self.kv_loads.start([], out[0] // self.page_size, "demand", self._kv_now(),
+                                     key=anchor)
+            ld.wall_start = time.perf_counter()
+            self._kv_loads[anchor] = ld
+            self.kv_loads.note_demand(ld, self._kv_now())
+        return out
+
+    def match_prefix(self, params):
+        result = super().match_prefix(params)
+        if self._kv_landed and getattr(params, "req", None) is not None:
+            self._credit_landed(result)
+        return result
+
+    def _credit_landed(self, result) -> None:
+        node = self.tree_core._node_arena.get(result.last_device_node)
+        now = self._kv_now()
+        while node is not None:
+            ld = self._kv_landed.get(node.id)
+            if ld is not None:
+                self.kv_loads.credit_use(ld, now)
+                for n in ld.nodes:
+                    self._kv_landed.pop(n.id, None)
+            node = node.parent
+
+    # ------------------------------------------------------------------ prefetch
+    def _reserve_pages(self) -> int:
+        """Device pages the waiting queue will still allocate (the prefetch budget's reserve)."""
+        if self._kv_queue is None:
+            return 0
+        tokens = 0
+        for i, r in enumerate(self._kv_queue() or ()):
+            if i >= self.reserve_window:
+                break
+            try:  # prefix_len: what the scheduler's last match found on device (0 before)
+                want = len(r.origin_input_ids) + int(r.sampling_params.max_new_tokens or 0)
+                tokens += max(0, want - int(getattr(r, "prefix_len", 0) or 0))
+            except (AttributeError, TypeError):
+                continue
+        return -(-tokens // self.page_size)
 
     def kvflow_prefetch(self) -> list:
         """Start loads for near agents whose tagged prefix is host-only. Returns the tags."""
         if self.cache_controller is None:
             return []
-        index, hints = self.kv_index, self.kv_hints
-        now = self._kv_now()
-        self.kv_planner.lookahead = self.lookahead
-        cands = []
-        for tag in list(index.tags()):
-            ste = index.ste(tag)
-            if not self.kv_planner.eligible(ste):
-                continue
-            node = index.node_of(tag)
-            if node is None or not self._alive(node) or not node.evicted or not node.backuped:
-                continue
-            if node.id in self._inflight:
-                continue
-            pages, n = 0, node
-            while n is not None and n.evicted:
-                pages += len(n.key) // self.page_size if n.key is not None else 0
-                n = n.parent
-            cands.append(PrefetchCandidate(tag, ste, pages,
-                                           hints.step_seconds(tag[0], self.default_step_s), node,
-                                           hints.step_elapsed(tag[0], now)))
-        if not cands:
-            return []
-        started = []
-        for p in self.kv_planner.plan(cands):
-            c = p.candidate
-            node = c.node
-            if not self._alive(node) or not node.evicted or node.id in self._inflight:
-                continue  # loaded meanwhile by a sibling agent's load
-            if len(self._inflight) >= self.max_inflight_prefetch or not self.has_free_load_back_slot():
-                self.kv_stats["prefetch_skipped_no_slot"] += 1
-                break
-            loading, n = [], node
-            while n is not None and n.evicted:
-                loading.append(n)
-                n = n.parent
-            path = self._path_tokens(node)
-            ntok = sum(len(x.key) for x in loading)
-            with self._eviction_floor(c.ste):
-                ok = self.load_back(node.id)
-            if not ok:
-                self.kv_stats["prefetch_declined"] += 1
-                continue
-            self._inflight[node.id] = InflightLoad(
-                node.id, c.tag, c.ste, tuple(path), node.key.extra_key if node.key else None,
-                len(path) - ntok, tuple(loading), time.monotonic())
-            self.kv_stats["prefetch_issued"] += 1
-            self.kv_stats["prefetch_tokens"] += ntok
-            started.append(c.tag)
+        book = self.kv_book
+        if book.lookahead != self.lookahead:
+            book.set_lookahead(self.lookahead)
+        self.kv_prefetcher.max_inflight = self.max_inflight_prefetch
+        started = self.kv_prefetcher.run(self._kv_now())
         if started:
             # Start the H2D copies now, as their own producer: no batch consumes them, so the
             # scheduler hook keeps requests off these nodes until the acks (loading_check).
             self.cache_controller.start_loading()
         return started
 
+    def _start_prefetch(self, cand, now: float):
+        """The prefetch target's start: SGLang's ``load_back`` with the eviction floor."""
+        node = cand.node
+        if not self.has_free_load_back_slot():
+            self.kv_stats["prefetch_skipped_no_slot"] += 1
+            return None
+        loading, n = [], node
+        while n is not None and n.evicted:
+            loading.append(n)
+            n = n.parent
+        path = self._path_tokens(node)
+        ntok = sum(len(x.key) for x in loading)
+        with self._eviction_floor(cand.ste):
+            ok = self.load_back(node.id)
+        if not ok:
+            self.kv_stats["prefetch_declined"] += 1
+            return None
+        loading.reverse()
+        ld = self.kv_loads.start(loading, ntok // self.page_size, "prefetch", now, tag=cand.tag,
+                                 key=node.id)
+        ld.wall_start = time.perf_counter()
+        self._kv_loads[node.id] = ld
+        self._inflight[node.id] = InflightLoad(
+            ld, tuple(path), node.key.extra_key if node.key else None, len(path) - ntok)
+        return ld
+
     # ------------------------------------------------------------------ status-aware admission
     def kvflow_has_inflight(self) -> bool:
         return bool(self._inflight)
 
     def kvflow_blocked(self, req) -> bool:
-        """Whether ``req``'s cached prefix reaches into a proactive load still in flight."""
+        """Whether ``req``'s cached prefix reaches into a proactive load still in flight (the
+        wait is recorded: the load's exposed time runs from the first request it holds back)."""
         if not self._inflight:
             return False
         ids = req.origin_input_ids
         extra = getattr(req, "extra_key", None)
         ps = self.page_size
-        for ld in self._inflight.values():
-            if ld.extra_key != extra:
+        for inf in self._inflight.values():
+            if inf.extra_key != extra:
                 continue
-            toks = ld.tokens
+            toks = inf.tokens
             n = min(len(toks), len(ids))
-            if n <= ld.ready_len:
+            if n <= inf.ready_len:
                 continue
-            i = ld.ready_len
+            i = inf.ready_len
             # the first loaded page must match entirely for the match to reach it
             while i < n and toks[i] == ids[i]:
                 i += 1
-            if i // ps * ps > ld.ready_len:
+            if i // ps * ps > inf.ready_len:
+                self.kv_loads.note_wait(inf.load, self._kv_now())
                 return True
         return False
 
     # ------------------------------------------------------------------ introspection
     def kvflow_snapshot(self) -> dict:
-        def num(x):
-            return None if x == INF else x
-
-        agents = []
-        for tag in sorted(self.kv_index.tags(), key=lambda t: (str(t[0]), str(t[1]))):
-            node = self.kv_index.node_of(tag)
-            alive = node is not None and self._alive(node)
-            res = "none"
-            if alive:
-                res = "device"
-                n = node
-                while n is not None and n is not self.tree_core.root_node:
-                    if n.evicted:
-                        res = "host"
-                        break
-                    n = n.parent
-                if res == "device" and any(node in ld.nodes for ld in self._inflight.values()):
-                    res = "loading"
-            agents.append({"workflow": tag[0], "agent": tag[1],
-                           "tokens": len(self._path_tokens(node)) if alive else 0,
-                           "residency": res, "ste": num(self.kv_index.ste(tag)),
-                           "priority": num(self.kv_index.priority(node)) if alive else None})
+        loads = self.kv_loads
         return {
             "engine": "sglang",
             "policy": POLICY_NAME if self.kv_strategy_bound else type(self.tree_core.eviction_strategy).__name__,
@@ -614,10 +760,13 @@ class KVFlowRadixCache(UnifiedRadixCache):
             "page_size": self.page_size,
             "lookahead": self.lookahead,
             "device": {"evictable": self.evictable_size(), "protected": self.protected_size(),
-                       "available": self._component_available_size(ComponentType.FULL)},
-            "loads_in_flight": len(self._inflight),
-            "workflows": {wf: {"expired": w.expired, "step": w.step, "step_s": w.step_s}
-                          for wf, w in self.kv_hints.workflows.items()},
-            "agents": agents,
+                       "available": self._component_available_size(FULL)},
+            "loads_in_flight": loads.in_flight,
+            "link": {"secs_per_page": loads.secs_per_page,
+                     "admission_delay_s": loads.admission_delay_s,
+                     "recompute_s_per_token": loads.recompute_s_per_token or loads.measured_prefill_spt},
+            "workflows": workflows_view(self.kv_hints),
+            "agents": agents_view(self.kv_book, self._residency),
+            "metrics": self.kv_metrics.as_dict(),
             "stats": dict(self.kv_stats),
         }

@@ -40,6 +40,7 @@ def after_add_request_to_queue(result, scheduler, req, *args, **kwargs):
     cache = _kvflow_cache(scheduler)
     if cache is not None:
         try:
+            cache.kvflow_watch_queue(lambda: scheduler.waiting_queue)  # the prefetch reserve
             cache.kvflow_on_request(req)
         except Exception:  # hints are advisory
             logger.exception("kvflow: hint intake failed")

@@ -39,14 +39,6 @@ _routes_added = False
 
 
 # ------------------------------------------------------------------------------ chat hook
-def common_prefix_len(a, b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def fixed_prefix_tokens(tokenizer, messages: list, n_fixed: int, prompt_ids: list) -> int:
     """Token length of the first ``n_fixed`` messages as the chat template renders them
     inside ``prompt_ids``: render those messages alone, take the common prefix with the full
@@ -57,6 +49,8 @@ def fixed_prefix_tokens(tokenizer, messages: list, n_fixed: int, prompt_ids: lis
     ids = tokenizer.apply_chat_template(head, tokenize=True, add_generation_prompt=False)
     if isinstance(ids, dict):  # BatchEncoding
         ids = ids["input_ids"]
+    from kvflow_agents.serving.policy import common_prefix_len
+
     return common_prefix_len(list(ids), list(prompt_ids))
 
 

@@ -1,12 +1,11 @@
 """Discrete-event simulator of one serving engine driving the policy core unchanged.
 
 The engine (this file) owns time, batching and costs; every cache decision (what is cached,
-where, eviction order, write-through, prefetch plans, node states) is made by
-:class:`kvflow_agents.serving.policy.KVCacheManager`, called through its engine protocol:
-``status`` while waiting -> ``match`` when admitted -> ``load_on_demand`` -> ``lock`` ->
-``allocate`` -> prefill -> ``insert`` + re-``match``/``lock`` (running) -> ``tag_fixed_prefix``
--> decode -> ``insert`` -> ``unlock``; ``update_hints`` when a request arrives; ``tick`` every
-scheduler iteration; ``release_workflow`` when a workflow ends.
+where, eviction order, write-through, prefetch plans, node states, load versus recompute) is
+made by :class:`kvflow_agents.serving.policy.KVCacheManager`, driven through the same
+per-request session as the embedded engine: ``arrive`` (hints merged) -> ``poll`` while
+waiting -> ``load`` / ``admit`` -> prefill -> ``commit`` (insert + tag) -> decode -> ``finish``;
+``tick`` every scheduler iteration; ``release_workflow`` when a workflow ends.
 
 Scheduler (SGLang-like, iteration level): FIFO waiting queue; each iteration either runs a
 prefill batch of newly admitted requests (up to ``max_prefill_tokens`` new tokens and
@@ -34,11 +33,11 @@ Loads (documented choices):
 - no host room / no device room for a load: the host part is recomputed (``load_on_demand``
   returned ``None``).
 
-Policy-core hooks the simulator uses (``reserve=True``, ``load_vs_recompute=None`` defaults):
-- prefetch budget: the manager gets a callable reserve = device pages the waiting queue will
-  still allocate (prompt + output - its cached device / loading prefix; running requests
-  reserved theirs at admission), so a prefetch never takes room the next admission reclaims.
-- status-aware waits are recorded with ``status(prompt, record=True)``, so the core's
+Policy-core features the simulator uses (``reserve=True``, ``load_vs_recompute=None`` defaults):
+- prefetch budget: the core's reserve = device pages the waiting sessions will still allocate
+  (prompt + output - their cached device / loading prefix; running requests reserved theirs at
+  admission), so a prefetch never takes room the next admission reclaims.
+- status-aware waits are recorded by the sessions' ``poll``, so the core's
   ``load_hidden_fraction`` counts them as exposed.
 - load versus recompute (``kvflow`` only by default: ``hicache`` models SGLang HiCache as
   shipped, which always loads): the manager's ``recompute_cost`` is the marginal prefill of
@@ -56,12 +55,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from kvflow_agents.serving.policy import KVCacheManager, PrefixStatus, get_policy
+from kvflow_agents.protocol import Hints
+from kvflow_agents.serving.policy import KVCacheManager, Readiness, get_policy
 
 from .costs import Profile
 from .workloads import Call, Workload, WorkflowPlan
 
-LOADING = PrefixStatus.LOADING
+LOADING, NEEDS_LOAD = Readiness.LOADING, Readiness.NEEDS_LOAD
 
 
 class SimBackend:
@@ -122,10 +122,7 @@ class Req:
     out: tuple
     arrival: float
     measured: bool
-    matched: bool = False
-    handle: object = None
-    pages: list = field(default_factory=list)
-    new_pages: list = field(default_factory=list)
+    session: object = None       # the policy core's RequestSession
     cached: int = 0              # prompt tokens served from cache (device or loaded)
     n_new: int = 0               # prompt tokens computed
     ready: float = 0.0           # inline load lands at
@@ -208,8 +205,7 @@ class Simulator:
         self.mgr = KVCacheManager(self.policy, page_size=ps, device_pages=dev // ps,
                                   host_pages=host // ps, backend=self.backend, lookahead=lookahead,
                                   max_inflight_loads=max_inflight_loads, lease_s=lease_s,
-                                  reserve_pages=self._reserve if reserve else 0,
-                                  recompute_cost=rec)
+                                  reserve_pages=None if reserve else 0, recompute_cost=rec)
         self.max_running, self.max_prefill = max_running, max_prefill_tokens
         self.layerwise = layerwise
         self.tokens = Tokens()
@@ -221,7 +217,6 @@ class Simulator:
         self.wfs = [WfState(p) for p in workload.workflows]
         self.exposed_s = 0.0
         self.iterations = 0
-        self._claimed: dict = {}
 
     # ------------------------------------------------------------------ clients
     def _schedule_step(self, wf: WfState, t: float) -> None:
@@ -240,20 +235,20 @@ class Simulator:
         for c in st.calls:
             prompt = self.tokens.fixed(c.fixed_key, c.fixed) + self.tokens.unique(c.dynamic)
             req = Req(wf, c, prompt, self.tokens.unique(c.output), self.t, st.measured)
-            self.mgr.update_hints(wf.plan.id, st.ste, agent=c.agent, step=wf.step, now=self.t)
+            hints = Hints.model_construct(workflow=wf.plan.id, agent=c.agent, step=wf.step,
+                                          ste=st.ste, next=[], app=None, fixed_messages=None,
+                                          event=None)
+            req.session = self.mgr.arrive(prompt, hints, kv_tokens=len(prompt) + len(req.out),
+                                          fixed_len=c.fixed if c.tag is None else c.tag)
             self.waiting.append(req)
 
     def _finish(self, r: Req) -> None:
-        mgr, ps = self.mgr, self.ps
         r.done = self.t
         # client side (0 on GPU profiles): HTTP/request handling + SSE parsing per output token;
         # the client sees the call end, and issues the workflow's next call, this much later
         client_t = self.t + self.p.request_overhead_s + self.p.stream_per_token_s * len(r.out)
         toks = r.prompt + r.out
-        n = len(toks) // ps
-        mgr.insert(toks[:n * ps], r.pages[:n])
-        mgr.free(r.pages[n:])
-        mgr.unlock(r.handle)
+        r.session.finish(toks, len(toks))
         self.finished.append(r)
         wf = r.wf
         wf.outstanding -= 1
@@ -265,7 +260,6 @@ class Simulator:
 
     # ------------------------------------------------------------------ scheduler
     def _admit(self) -> list[Req]:
-        mgr, ps = self.mgr, self.ps
         admitted, keep, budget = [], [], self.max_prefill
         self._admitting = admitted
         aware = self.policy.status_aware
@@ -274,46 +268,37 @@ class Simulator:
             if blocked or budget <= 0 or len(self.running) + len(admitted) >= self.max_running:
                 keep.append(r)
                 continue
-            if aware and mgr.status(r.prompt, record=True) is LOADING:
-                self._wait(r, self._loading_ready(r.prompt))
+            s = r.session
+            p = s.poll(start_load=False)
+            if aware and p.state is LOADING:
+                self._wait(r, p.ready_at)
                 keep.append(r)
                 continue
-            m = mgr.match(r.prompt, record=not r.matched)
-            r.matched = True
-            ready, cached = self.t, m.device_len
-            if m.needs_load or m.loading:
+            load_inline, rec = False, None
+            if p.state is NEEDS_LOAD or p.state is LOADING:
                 # status-aware: if other work can run and the load would not hide behind this
                 # request's own prefill (layer-wise), start it and skip the request meanwhile
-                hide = self.p.prefill_s([(len(r.prompt) - m.cached_len, m.cached_len)])
-                if (aware and m.needs_load and (self.running or admitted)
-                        and self.p.load_s(m.cached_len - m.device_len) > hide):
-                    got = mgr.load_on_demand(m)   # async: skip until it lands
-                    if mgr.status(r.prompt, record=True) is LOADING:
-                        self._wait(r, got if got is not None else self._loading_ready(r.prompt))
+                hide = self.p.prefill_s([(len(r.prompt) - p.cached_len, p.cached_len)])
+                if (aware and p.state is NEEDS_LOAD and (self.running or admitted)
+                        and self.p.load_s(p.cached_len - p.device_len) > hide):
+                    p = s.load()   # async: skip until it lands
+                    if p.state is LOADING:
+                        self._wait(r, p.ready_at)
                         keep.append(r)
                         continue
-                    m = mgr.match(r.prompt, record=False)
-                    cached = m.device_len
                 else:
                     # inline: the batch stalls on the load as it would on recomputing, less
                     # what its own prefill hides (layer-wise), so compare for this batch alone
-                    rec = None
-                    if self.load_vs_recompute and m.needs_load:
+                    load_inline = True
+                    if self.load_vs_recompute and p.state is NEEDS_LOAD:
                         # load: batch takes max(C, R + C/L); recompute: C + r. Load iff
                         # R <= r + C (1 - 1/L), C = the batch's compute so far with this one
-                        rec = self._recompute(m.cached_len - m.device_len, m.device_len)
+                        rec = self._recompute(p.cached_len - p.device_len, p.device_len)
                         if self.layerwise:
                             c = self.p.prefill_s([(x.n_new, x.cached) for x in admitted]
-                                                 + [(len(r.prompt) - m.cached_len, m.cached_len)])
+                                                 + [(len(r.prompt) - p.cached_len, p.cached_len)])
                             rec += c * (1 - 1 / self.p.layers)
-                    got = mgr.load_on_demand(m, recompute_s=rec)
-                    if got is not None:
-                        ready, cached = got, m.cached_len
-            handle = mgr.lock(m)
-            total = -(-(len(r.prompt) + len(r.out)) // ps)
-            pages = mgr.allocate(total - cached // ps)
-            if pages is None:
-                mgr.unlock(handle)
+            if not s.admit(load_inline=load_inline, recompute_s=rec):
                 keep.append(r)
                 blocked = True  # head-of-line: wait for memory
                 continue
@@ -322,9 +307,13 @@ class Simulator:
                 r.skip_wait_s += w
                 r.load_wait_s += w
                 r.wait_since = None
-            r.handle, r.new_pages, r.cached, r.ready = handle, pages, cached, ready
-            self._claim_loads(r)
-            r.n_new = max(1, len(r.prompt) - cached)
+            r.cached = s.reused
+            r.ready = s.ready_at if s.ready_at is not None else self.t
+            # loads (prefetch or demand) on its prefix no earlier request read: their transfer
+            # time is what r needed; what it waited (load_wait_s, batch stalls) is exposed
+            for ld in s.loads_read:
+                r.load_need_s += self.p.load_s(ld.pages * self.ps)
+            r.n_new = len(r.prompt) - r.cached
             budget -= r.n_new
             admitted.append(r)
         self.waiting = keep
@@ -334,17 +323,6 @@ class Simulator:
     def _recompute(self, n: int, ctx: int) -> float:
         return self.p.prefill_s([(n, ctx)]) - self.p.prefill_a
 
-    def _reserve(self) -> int:
-        """Device pages the waiting queue will still allocate (running requests reserved
-        prompt + output at admission): the prefetch budget keeps clear of them. Evaluated by
-        the manager only when a prefetch needs room."""
-        ps, need = self.ps, 0
-        for r in self.waiting:
-            m = self.mgr.peek(r.prompt)
-            have = m.device_len if m.needs_load else m.cached_len
-            need += -(-(len(r.prompt) + len(r.out)) // ps) - have // ps
-        return need
-
     def _wait(self, r: Req, until: float) -> None:
         """``r`` was skipped for a load landing at ``until``: that wait is exposed load time
         (counted up to the landing or the admission, whichever comes first)."""
@@ -353,25 +331,8 @@ class Simulator:
         else:
             r.wait_until = max(r.wait_until, until)
 
-    def _claim_loads(self, r: Req) -> None:
-        """Loads (prefetch or demand) on ``r``'s prefix that no earlier request read: their
-        transfer time is what ``r`` needed; what it waited (``load_wait_s``, batch stalls) of it
-        is exposed, the rest hidden."""
-        path, _ = self.mgr.tree.match(r.prompt, split=False)
-        for n in path:
-            ld = n.load
-            if ld is not None and id(ld) not in self._claimed:
-                self._claimed[id(ld)] = ld  # keep it alive: ids must stay unique
-                r.load_need_s += self.p.load_s(ld.pages * self.ps)
-
-    def _loading_ready(self, tokens: tuple) -> float:
-        """When the loads on ``tokens``' cached path land (read-only look at the tree)."""
-        path, _ = self.mgr.tree.match(tokens, split=False)
-        return max((n.load.ready for n in path if n.load is not None and not n.load.done),
-                   default=self.t)
-
     def _prefill(self, batch: list[Req]) -> None:
-        mgr, ps, t0 = self.mgr, self.ps, self.t
+        t0 = self.t
         compute = self.p.prefill_s([(r.n_new, r.cached) for r in batch])
         load_left = max(r.ready for r in batch) - t0
         if load_left <= 0:
@@ -387,20 +348,7 @@ class Simulator:
                     r.load_wait_s += dt - compute
         self.t = t0 + dt
         for r in batch:
-            m = mgr.match(r.prompt, record=False)
-            cp = r.cached // ps
-            if len(m.device_pages) < cp:
-                raise AssertionError("sim: a locked prefix lost device pages")
-            allp = m.device_pages[:cp] + r.new_pages
-            n = len(r.prompt) // ps
-            mgr.insert(r.prompt[:n * ps], allp[:n])
-            m2 = mgr.match(r.prompt, record=False)
-            h = mgr.lock(m2)
-            mgr.unlock(r.handle)
-            r.handle = h
-            r.pages = m2.device_pages[:n] + allp[n:]
-            tag = r.call.fixed if r.call.tag is None else r.call.tag
-            mgr.tag_fixed_prefix(r.prompt, tag, r.wf.plan.id, r.call.agent)
+            r.session.commit()  # the prompt joins the tree; the agent's fixed prefix is tagged
             r.first_token, r.generated = self.t, 1
             if r.generated >= len(r.out):
                 self._finish(r)

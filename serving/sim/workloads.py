@@ -2,7 +2,8 @@
 
 A :class:`Workload` is a list of :class:`WorkflowPlan`; a plan is a list of :class:`Step`; a step
 is one or more :class:`Call` run in parallel (a barrier ends the step) plus the hint (STE map)
-each of its calls sends. Steps run closed loop (``gap_s`` after the previous step ends) unless
+each of its calls sends. The synthetic workflows take that hint from their Agent Step Graph
+(``graph/``: the STE of every agent while the step's agents run), as an instrumented app does. Steps run closed loop (``gap_s`` after the previous step ends) unless
 ``at`` pins an absolute arrival (open-loop trace replay). Token ids are synthesized by the engine:
 a fixed prompt is a deterministic id run per ``fixed_key`` (same key = same prefix), dynamic and
 output tokens are unique per call.
@@ -30,6 +31,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
+
+from kvflow_agents.graph import END, START, AgentStepGraph
+from kvflow_agents.graph.examples import cycle_graph
 
 TRACE_REQUIRED = ("t", "workflow", "agent", "fixed_tokens", "prompt_tokens", "output_tokens", "ste")
 
@@ -89,6 +93,12 @@ class Workload:
 
 
 # ------------------------------------------------------------------ the paper's workflows
+def _hint(graph: AgentStepGraph, running: Iterable[str]) -> dict:
+    """The STE map the step's calls send: the graph's, ``None`` where an agent cannot run."""
+    ste = graph.steps_to_execution(set(running))
+    return {a: (None if v == float("inf") else int(v)) for a, v in ste.items()}
+
+
 def _check(**kw) -> None:
     for k, v in kw.items():
         if v is None or v < (0 if k in ("warmup_rounds", "dynamic", "stagger_s") else 1):
@@ -105,16 +115,17 @@ def cycle(*, agents: int = 10, fixed: int = 4096, dynamic: int = 32, output: int
     _check(agents=agents, fixed=fixed, dynamic=dynamic, output=output, rounds=rounds,
            warmup_rounds=warmup_rounds, workflows=workflows, stagger_s=stagger_s)
     names = [f"agent_{i}" for i in range(agents)]
+    graph = cycle_graph(names=names)
+    hint = {a: _hint(graph, [a]) for a in names}
     plans = []
     for w in range(workflows):
         steps = []
         for r in range(warmup_rounds + rounds):
             for k in range(agents):
-                i = (k + (w if rotate else 0)) % agents
-                a = names[i]
+                a = names[(k + (w if rotate else 0)) % agents]
                 key = a if share_prompts else f"wf{w}/{a}"
-                ste = {b: (j - i) % agents for j, b in enumerate(names)}
-                steps.append(Step([Call(a, key, fixed, dynamic, output)], ste, r, r >= warmup_rounds))
+                steps.append(Step([Call(a, key, fixed, dynamic, output)], dict(hint[a]), r,
+                                  r >= warmup_rounds))
         plans.append(WorkflowPlan(f"wf{w}", steps, start_s=w * stagger_s))
     meta = dict(kind="cycle", agents=agents, fixed=fixed, dynamic=dynamic, output=output,
                 rounds=rounds, warmup_rounds=warmup_rounds, workflows=workflows,
@@ -132,17 +143,20 @@ def fanout(*, agents: int = 6, fixed: int = 2048, dynamic: int = 64, output: int
     _check(fixed=fixed, output=output, rounds=rounds, workflows=workflows)
     workers = [f"worker_{i}" for i in range(agents - 2)]
     groups = [["head"], workers, ["tail"]]
+    graph = AgentStepGraph("fanout")
+    graph.add_edge(START, "head")
+    for wk in workers:
+        graph.add_edge("head", wk)
+    graph.add_join(workers, "tail")
+    graph.add_edge("tail", "head")
+    hints = [_hint(graph, g) for g in groups]
     plans = []
     for w in range(workflows):
         steps = []
         for r in range(warmup_rounds + rounds):
             for gi, g in enumerate(groups):
-                ste = {}
-                for gj, other in enumerate(groups):
-                    for a in other:
-                        ste[a] = (gj - gi) % 3
                 calls = [Call(a, a if share_prompts else f"wf{w}/{a}", fixed, dynamic, output) for a in g]
-                steps.append(Step(calls, ste, r, r >= warmup_rounds))
+                steps.append(Step(calls, dict(hints[gi]), r, r >= warmup_rounds))
         plans.append(WorkflowPlan(f"wf{w}", steps))
     meta = dict(kind="fanout", agents=agents, fixed=fixed, dynamic=dynamic, output=output,
                 rounds=rounds, workflows=workflows)
@@ -159,10 +173,20 @@ PEER_FIXED = {"planning": 400, "executing": 355, "expressing": 460, "reviewing":
 # answers <= 500 words, Review is a short JSON. Our estimates, uniform in the range.
 PEER_TOKENS = {"planning": ((100, 300), (120, 300)), "executing": ((800, 2000), (200, 400)),
                "expressing": ((1000, 3000), (300, 700)), "reviewing": ((800, 2000), (40, 120))}
-_PEER_STE = {"planning": {"planning": None, "executing": 1, "expressing": 2, "reviewing": 3},
-             "executing": {"planning": None, "executing": None, "expressing": 1, "reviewing": 2},
-             "expressing": {"planning": None, "executing": None, "expressing": 2, "reviewing": 1},
-             "reviewing": {"planning": None, "executing": None, "expressing": 1, "reviewing": 2}}
+
+
+def peer_graph() -> AgentStepGraph:
+    """PEER as the simulator runs it: the executors are parallel instances of one agent (one
+    fixed prompt); the reviewer sends a failed answer back to the expresser, else the run ends
+    (each question is its own run: the planner does not come back within it)."""
+    g = AgentStepGraph("peer")
+    g.add_edge(START, "planning")
+    g.add_edge("planning", "executing")
+    g.add_edge("executing", "expressing")
+    g.add_edge("expressing", "reviewing")
+    g.add_edge("reviewing", "expressing", conditional=True)
+    g.add_edge("reviewing", END, conditional=True)
+    return g
 
 
 def peer(*, questions: int = 8, workflows: int = 4, fixed_mult: float = 4.0, retry_p: float = 0.3,
@@ -172,6 +196,8 @@ def peer(*, questions: int = 8, workflows: int = 4, fixed_mult: float = 4.0, ret
     the four agents' fixed prompts are shared by every workflow (one app)."""
     _check(questions=questions, workflows=workflows)
     rng = random.Random(seed)
+    graph = peer_graph()
+    hint = {a: _hint(graph, [a]) for a in PEER_FIXED}
     plans = []
     per = max(1, questions // workflows)
     for w in range(workflows):
@@ -186,7 +212,7 @@ def peer(*, questions: int = 8, workflows: int = 4, fixed_mult: float = 4.0, ret
             if rng.random() < retry_p:
                 seq += [[call("expressing")], [call("reviewing")]]
             for calls in seq:
-                steps.append(Step(calls, dict(_PEER_STE[calls[0].agent]), q, q > 0 or per == 1))
+                steps.append(Step(calls, dict(hint[calls[0].agent]), q, q > 0 or per == 1))
         plans.append(WorkflowPlan(f"peer{w}", steps, start_s=w * stagger_s))
     meta = dict(kind="peer", questions=per * workflows, workflows=workflows, fixed_mult=fixed_mult,
                 retry_p=retry_p, seed=seed)

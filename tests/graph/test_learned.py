@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from kvflow_agents.graph import END, START, AgentStepGraph, GraphError
+from kvflow_agents.graph import END, START, AgentStepGraph, GraphError, next_agents
 from kvflow_agents.graph.examples import cycle_graph, peer_graph, random_graph
 from kvflow_agents.graph.learned import (
     LearnedTracker,
@@ -12,7 +12,6 @@ from kvflow_agents.graph.learned import (
     TransitionModel,
     evaluate_predictions,
     guaranteed_ste,
-    predicted_next,
     read_traces,
     selector_graph,
     ste_between_steps,
@@ -65,7 +64,7 @@ def test_probabilities_prior_and_expected_distance():
     assert exp["writer"] == pytest.approx(1 + 11 / 8)  # via the likeliest branch
     wire = m.wire_ste(g, {"router"})
     assert wire == {"router": 0, "math": 1, "code": 6, "chat": 11, "writer": 2}
-    assert predicted_next(wire) == ["math"]
+    assert next_agents(wire) == ["math"]
     # other apps do not share counts
     assert m.expected_ste(g, {"router"}, app="other")["math"] == 3
     with pytest.raises(GraphError):

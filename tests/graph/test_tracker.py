@@ -82,3 +82,20 @@ def test_tracker_is_thread_safe_under_concurrent_transitions():
     for t in threads:
         t.join()
     assert tr.running == set()
+
+
+def test_cancel_drops_a_running_agent_without_arriving():
+    """An interrupted node (LangGraph ``interrupt()``) runs again from the start on resume: it
+    leaves the running set but does not arrive at its barrier."""
+    g = peer_graph(2)
+    tr = g.tracker("w")
+    tr.start("planner")
+    tr.finish("planner")
+    tr.start("executor_1")
+    tr.start("executor_2")
+    tr.finish("executor_1")
+    tr.cancel("executor_2")
+    assert tr.running == set() and tr.arrived == {"expresser": frozenset({"executor_1"})}
+    assert tr.ste()["expresser"] == INF   # executor_2 has not arrived and cannot run again
+    tr.cancel("executor_2")               # not running: nothing happens
+    assert tr.history[-1] == (2, "cancel", "executor_2")

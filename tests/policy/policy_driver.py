@@ -37,7 +37,7 @@ def serve(m: KVCacheManager, tokens, prefix_len: int, workflow: str, agent: str,
         ready = m.load_on_demand(pm) if pm.needs_load else None
         if wait_loads:
             if ready is None and pm.loading:
-                ready = max(ld.ready for _, _, ld in m._loads) if m._loads else m.clock.t
+                ready = max((ld.ready for ld in m.loads.inflight_loads()), default=m.clock.t)
             if ready is not None:
                 m.clock.t = max(m.clock.t, ready)
                 m.tick(m.clock.t)

@@ -88,7 +88,24 @@ def test_common_len_matches_brute_force(ps, key, toks):
     want = 0
     while want + ps <= min(len(key), len(toks)) and key[want:want + ps] == toks[want:want + ps]:
         want += ps
-    assert tree._common_len(key, toks, 0) == want
+    assert tree.common_len(key, toks, 0) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(step=st.integers(1, 4), a=st.lists(st.integers(0, 2), max_size=24),
+       b=st.lists(st.integers(0, 2), max_size=24), hi=st.none() | st.integers(0, 30))
+def test_common_prefix_len_matches_brute_force(step, a, b, hi):
+    """The one common_prefix_len (tree, boundary inference, tokenizers, SGLang chat hook)."""
+    from kvflow_agents.serving.policy import common_prefix_len
+
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    if hi is not None:
+        n = min(n, hi)
+    want = n // step * step
+    assert common_prefix_len(a, b, hi, step=step) == want
+    assert common_prefix_len(tuple(a), list(b), hi, step=step) == want
 
 
 # ---------------------------------------------------------------- priority index
@@ -157,28 +174,6 @@ def test_shared_prefix_takes_min_across_agents_and_workflows():
     index.set_ste(("w2", "coder"), INF)
     assert index.priority(shared) == 3 and index.priority(b) == INF
     assert index.tags_below(shared) == 2
-
-
-def test_eviction_strategy_adapter_orders_a_foreign_tree():
-    import heapq
-
-    from kvflow_agents.serving.policy import EvictionStrategyAdapter
-
-    class Foreign:  # stands in for SGLang's UnifiedTreeNode
-        def __init__(self, parent, t):
-            self.parent, self.last_access_time = parent, t
-
-    root = Foreign(None, 0)
-    a, b, c = Foreign(root, 3), Foreign(root, 1), Foreign(root, 2)
-    index = PriorityIndex(lambda n: n.parent)
-    index.set_tag("A", a, 1)
-    index.set_tag("B", b, 0)
-    strategy = EvictionStrategyAdapter("kvflow", index)
-    heap = [(strategy.get_priority(n), i, n) for i, n in enumerate((a, b, c))]
-    heapq.heapify(heap)
-    assert [heapq.heappop(heap)[2] for _ in range(3)] == [c, a, b]  # +inf, then STE 1, then 0
-    lru = EvictionStrategyAdapter("lru", index)
-    assert sorted((a, b, c), key=lru.get_priority) == [b, c, a]
 
 
 def test_policy_core_imports_only_the_stdlib():

@@ -28,7 +28,7 @@ WORKFLOWS = ["w0", "w1"]
 def candidates(m, tier):
     out = []
     for n in m.tree.iter_nodes():
-        if (m._dev_candidate(n) if tier == "device" else m._host_candidate(n)):
+        if (m.store.dev_candidate(n) if tier == "device" else m.store.host_candidate(n)):
             out.append(n)
     return out
 
@@ -40,8 +40,8 @@ def install_eviction_checks(m, log):
         assert node.state is not NodeState.OFFLOADING, "evicted an offloading node twice"
         if tier == "device":
             assert node.state is NodeState.DEVICE and node.n_device_children == 0
-            if m._evict_floor is not None:  # M4: a prefetch never evicts as urgent or more
-                assert reason == "prefetch" and prio > m._evict_floor
+            if m.store.evict_floor is not None:  # M4: a prefetch never evicts as urgent or more
+                assert reason == "prefetch" and prio > m.store.evict_floor
         key = m.policy.eviction_key(prio, node.last_access)
         best = min(m.policy.eviction_key(m.index.priority(c), c.last_access)
                    for c in candidates(m, tier))

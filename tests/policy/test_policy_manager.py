@@ -122,8 +122,8 @@ def test_kvflow_backs_up_tagged_prefixes_and_host_keeps_urgent_copies():
     # suffixes dropped (untagged), B (STE 3) backed up first, then A (STE 1) needs host room:
     # B is less urgent, so it leaves the host; A's copy stays.
     assert m.metrics.dropped_pages == 2
-    assert m.residency(m._records[("w", "A")].node) == "host"
-    assert m._records[("w", "B")].node is None
+    assert m.agent_residency("w", "A") == "host"
+    assert m.agent_node("w", "B") is None
     m.check_invariants()
     # The other way round, a less urgent copy never displaces a more urgent one.
     m2 = make_manager(KVFlowPolicy(backup="tagged"), page_size=1, device_pages=8, host_pages=3)
@@ -132,8 +132,8 @@ def test_kvflow_backs_up_tagged_prefixes_and_host_keeps_urgent_copies():
     m2.update_hints("w", {"A": 3, "B": 1})
     m2.match([2, 2, 2, 8])
     m2.allocate(8)
-    assert m2.residency(m2._records[("w", "B")].node) == "host"
-    assert m2._records[("w", "A")].node is None
+    assert m2.agent_residency("w", "B") == "host"
+    assert m2.agent_node("w", "A") is None
 
 
 def test_shared_prefix_priority_is_min_across_workflows():
@@ -219,7 +219,7 @@ def _host_only_agents(m, agents, wf="w"):
     for i, a in enumerate(agents):
         put(m, [10 + i] * 3, wf, a, 3)
     held = m.allocate(m.device.num_free + m.evictable_device_pages)
-    assert all(m.residency(m._records[(wf, a)].node) == "host" for a in agents)
+    assert all(m.agent_residency(wf, a) == "host" for a in agents)
     m.free(held)
 
 
@@ -249,11 +249,11 @@ def test_prefetch_never_evicts_equal_or_more_urgent():
     put(m, [20] * 3, "w", "B", 3)
     put(m, [21] * 3, "w", "C", 3)   # device full: B, C
     m.update_hints("w", {"A": 1, "B": 1, "C": 0})
-    assert m.residency(m._records[("w", "A")].node) == "host"  # no thrash: would evict B/C
+    assert m.agent_residency("w", "A") == "host"  # no thrash: would evict B/C
     assert m.metrics.prefetch_issued == 0 and m.metrics.prefetch_deferred == 1
     m.update_hints("w", {"B": 2})   # now B is less urgent than A: A may replace it
-    assert m.residency(m._records[("w", "A")].node) == "device"
-    assert m.residency(m._records[("w", "B")].node) == "host"
+    assert m.agent_residency("w", "A") == "device"
+    assert m.agent_residency("w", "B") == "host"
     assert m.metrics.evictions["device:prefetch"] == 1
     m.check_invariants()
 
@@ -263,10 +263,10 @@ def test_stale_prefetch_plan_dropped_and_wasted_counted():
                      max_inflight_loads=1)
     _host_only_agents(m, ["A", "B"])
     m.update_hints("w", {"A": 1, "B": 1}, now=0.0)
-    assert m.metrics.prefetch_issued == 1 and m._pending
-    pending = next(iter(m._pending))
+    assert m.metrics.prefetch_issued == 1 and m.prefetcher.pending
+    pending = next(iter(m.prefetcher.pending))
     m.update_hints("w", {pending[1]: 5}, now=0.1)  # newer hint: that agent is far away now
-    assert m.metrics.prefetch_stale == 1 and not m._pending
+    assert m.metrics.prefetch_stale == 1 and not m.prefetcher.pending
     m.clock.t = 2.0
     m.tick()
     # The prefetched agent's plan changes too; its prefix is evicted before use -> wasted.

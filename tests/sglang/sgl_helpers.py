@@ -39,3 +39,25 @@ def key(tokens):
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     return RadixKey(array("q", tokens))
+
+
+class KVFlowHiCacheSetup:
+    """Mixin for ``UnifiedRadixCacheFixtures`` test cases: ``self.cache`` is a
+    :class:`KVFlowRadixCache` built by SGLang's test kit (``cfg``) with SGLang's real HiCache
+    controller and host pool attached; ``ack_all()`` reaps the finished load-backs."""
+
+    def setUp(self):
+        from unittest import mock
+
+        import sglang.test.kits.unified_radix_cache.fixtures as fx
+
+        from kvflow_agents.serving.sglang.cache import KVFlowRadixCache
+
+        with mock.patch.object(fx, "UnifiedRadixCache", KVFlowRadixCache):
+            self.cache, self.alloc, self.r2t = fx.build_fixture(self.cfg)
+        self._init_hicache(self.cache)
+
+    def ack_all(self):
+        for ack in list(self.cache.cache_controller.ack_load_queue):
+            ack.finish_event.synchronize()
+        self.cache.loading_check()

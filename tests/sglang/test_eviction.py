@@ -284,3 +284,26 @@ def test_tp_ranks_take_the_same_decisions_with_drifting_clocks():
     assert run_rank(0, tp=1)[:-1] != run_rank(1, tp=1)[:-1]
     assert t0[-1] == ("evict", 16, 0, 16)            # the quiet workflow's prefix went first
     assert any("wa" in expired for _, expired in t0[:-1])
+
+
+def test_eviction_strategy_adapter_orders_a_foreign_tree():
+    import heapq
+
+    from kvflow_agents.serving.policy import PriorityIndex
+    from kvflow_agents.serving.sglang.cache import EvictionStrategyAdapter
+
+    class Foreign:  # stands in for SGLang's UnifiedTreeNode
+        def __init__(self, parent, t):
+            self.parent, self.last_access_time = parent, t
+
+    root = Foreign(None, 0)
+    a, b, c = Foreign(root, 3), Foreign(root, 1), Foreign(root, 2)
+    index = PriorityIndex(lambda n: n.parent)
+    index.set_tag("A", a, 1)
+    index.set_tag("B", b, 0)
+    strategy = EvictionStrategyAdapter("kvflow", index)
+    heap = [(strategy.get_priority(n), i, n) for i, n in enumerate((a, b, c))]
+    heapq.heapify(heap)
+    assert [heapq.heappop(heap)[2] for _ in range(3)] == [c, a, b]  # +inf, then STE 1, then 0
+    lru = EvictionStrategyAdapter("lru", index)
+    assert sorted((a, b, c), key=lru.get_priority) == [b, c, a]

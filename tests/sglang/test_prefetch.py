@@ -74,7 +74,7 @@ class PrefetchTest(UnifiedRadixCacheFixtures, unittest.TestCase):
             self.cache.check_hicache_events()
         loaded = {self.cache.kv_index.node_of(("wf", a)).id: a for a in ste}
         self.assertEqual(sorted(loaded[c.args[0]] for c in lb.call_args_list), ["A", "B"])
-        self.assertEqual(self.cache.kv_stats["prefetch_issued"], 2)
+        self.assertEqual(self.cache.kv_metrics.prefetch_issued, 2)
         res = self.residency()
         self.assertEqual((res["A"], res["B"], res["C"]), ("loading", "loading", "host"))
         # in flight: SGLang's ongoing_load_back holds the anchors until the acks
@@ -151,7 +151,16 @@ class PrefetchTest(UnifiedRadixCacheFixtures, unittest.TestCase):
             filler.append(toks)
         self.assertEqual(self.alloc.available_size(), 0)
         self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="X", ste={"A": 1}))
-        self.assertEqual(self.cache.kvflow_prefetch(), [])
+        # the policy core's budget: no free page, none evictable above STE 1 -> not even tried
+        with mock.patch.object(self.cache, "load_back", wraps=self.cache.load_back) as lb:
+            self.assertEqual(self.cache.kvflow_prefetch(), [])
+        lb.assert_not_called()
+        self.assertGreaterEqual(self.cache.kv_metrics.prefetch_budget_skips, 1)
+        # were the budget estimate wrong, SGLang's eviction walk still stops at the floor
+        from kvflow_agents.serving.sglang.cache import _SGLangTarget
+
+        with mock.patch.object(_SGLangTarget, "evictable_above", return_value=10**6):
+            self.assertEqual(self.cache.kvflow_prefetch(), [])
         self.assertEqual(self.cache.kv_stats["prefetch_declined"], 1)
         self.assertGreater(self.cache.kv_stats["floor_stops"], 0)
         for toks in filler:

@@ -270,14 +270,11 @@ class ChatTokenizer:
         n = min(max(int(n_fixed_messages), 0), len(messages))
         if n == 0:
             return 0
+        from kvflow_agents.serving.policy import common_prefix_len
+
         prefix = self.encode(self.apply_chat_template(messages[:n], add_generation_prompt=False, tools=tools))
         full = list(full_ids) if full_ids is not None else self.encode_chat(messages, tools=tools)
-        k = 0
-        for a, b in zip(prefix, full):
-            if a != b:
-                break
-            k += 1
-        return k
+        return common_prefix_len(list(prefix), full)
 
     # -- streaming ---------------------------------------------------------------------------
     def stream(self, stop: Sequence[str] = (), skip_special_tokens: bool = True,

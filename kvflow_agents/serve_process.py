@@ -1,0 +1,171 @@
+"""Start, wait for and stop one ``kvflow serve`` in a subprocess: the one launcher the
+benchmarks (``kvflow bench``) and the PEER example share.
+
+    with ServeProcess(["--model", "tiny-random", "--policy", "kvflow"]) as srv:
+        srv.base_url        # "http://127.0.0.1:<port>/v1"
+
+The server runs as ``<this python> -m kvflow_agents.cli.main serve ARGS --host H --port P``
+(the same interpreter, so a venv's ``kvflow`` is used even when it is not on ``PATH``; another
+``command`` can stand in, e.g. in tests) in its own session, so :meth:`ServeProcess.stop`
+signals its whole process group. Its stdout/stderr go to a temporary log file, never to a pipe
+(a chatty server cannot block on a full pipe). :meth:`ServeProcess.start` polls
+``GET /health`` until it answers 200; if the process exits first, or the timeout passes, it
+stops the process, keeps the log and raises :class:`ServerStartError` with the log's tail.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = ["ServeProcess", "ServerStartError", "free_port"]
+
+
+class ServerStartError(RuntimeError):
+    """The server did not become healthy (the message includes its log tail)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 40, max_bytes: int = 64_000) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode("utf-8", "replace")
+    except OSError:
+        return "(no server log)"
+    got = data.splitlines()[-lines:]
+    return "\n".join(got) if got else "(server wrote nothing)"
+
+
+class ServeProcess:
+    """One ``kvflow serve`` child process (module doc)."""
+
+    def __init__(self, args: Sequence[str] = (), *, host: str = "127.0.0.1",
+                 port: Optional[int] = None, timeout_s: float = 300.0,
+                 command: Optional[Sequence[str]] = None,
+                 env: Optional[dict[str, str]] = None) -> None:
+        self.args = list(args)
+        self.host = host
+        self.port = port or free_port(host)
+        self.timeout_s = timeout_s
+        self.command = list(command) if command else [sys.executable, "-m", "kvflow_agents.cli.main", "serve"]
+        self.env = env
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.log_path: Optional[Path] = None
+        self._log = None
+        self.keep_log = False  # set when start fails, so the log can still be read
+        self.started_s = 0.0   # seconds from spawn to healthy
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self.command, *self.args, "--host", self.host, "--port", str(self.port)]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log_tail(self, lines: int = 40) -> str:
+        return _tail(self.log_path, lines) if self.log_path else "(server not started)"
+
+    def start(self) -> "ServeProcess":
+        fd, name = tempfile.mkstemp(prefix="kvflow-serve-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(name)
+        self._log = self.log_path.open("wb")
+        env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
+        t0 = time.perf_counter()
+        try:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        except OSError as e:
+            self._close_log()
+            raise ServerStartError(f"could not run {' '.join(self.argv)}: {e}") from e
+        atexit.register(self.stop)
+        self._wait_healthy()
+        self.started_s = time.perf_counter() - t0
+        return self
+
+    def _fail(self, what: str) -> ServerStartError:
+        tail = self.log_tail()
+        self.keep_log = True
+        self.stop()
+        return ServerStartError(f"`{' '.join(self.argv)}` {what}.\n"
+                                f"--- server log (last lines; full log: {self.log_path}) ---\n{tail}")
+
+    def _wait_healthy(self) -> None:
+        import httpx
+
+        assert self.proc is not None
+        deadline = time.monotonic() + self.timeout_s
+        last_err = "no answer yet"
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    raise self._fail(f"exited with code {code} before it was healthy")
+                try:
+                    r = client.get(self.url + "/health")
+                    if r.status_code == 200:
+                        return
+                    last_err = f"HTTP {r.status_code}"
+                except httpx.HTTPError as e:
+                    last_err = type(e).__name__
+                if time.monotonic() > deadline:
+                    raise self._fail(f"was not healthy after {self.timeout_s:.0f}s "
+                                     f"(GET {self.url}/health: {last_err})")
+                time.sleep(0.2)
+
+    def stop(self, grace_s: float = 10.0, keep_log: bool = False) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:  # the server was started in its own session: signal its process group
+                os.killpg(proc.pid, signal.SIGTERM)
+            except OSError:
+                proc.terminate()
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    proc.kill()
+                proc.wait(5)
+        self._close_log()
+        if not (keep_log or self.keep_log) and self.log_path is not None:
+            try:
+                self.log_path.unlink()
+            except OSError:
+                pass
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            try:
+                self._log.close()
+            except OSError:
+                pass
+            self._log = None
+
+    def __enter__(self) -> "ServeProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,190 @@
+"""Eviction for the tiered store: lazy heaps per tier, write-through, subtree removal.
+
+:class:`Evictor` is mixed into :class:`~.store.TieredStore` and works on its fields (``tree``,
+``device``, ``host``, ``policy``, ``index``, ``book``, ``loads``, ``metrics``, ``backend``,
+``evictable``, ``on_evict``, ``partial_eviction``). The order is the policy's
+``eviction_key(priority, last_access)`` (smallest first, as SGLang's ``EvictionStrategy``);
+both heaps hold stale entries that die lazily (each carries the version it was pushed with),
+so a priority change costs one push instead of a heap rebuild.
+
+- device victims: unlocked DEVICE nodes with no device child (M2); evicting one writes it
+  through to host when the policy wants a copy (``should_backup``), else drops it; with
+  ``above`` (a prefetch for an agent of that STE) nothing of priority <= ``above`` goes (M4);
+- host victims: unlocked HOST leaves, or host copies of DEVICE nodes; the policy may refuse
+  to drop a copy more urgent than the one being written (``host_victim_allowed``).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from .tree import NodeState, TreeNode
+
+DEVICE, HOST, OFFLOADING = NodeState.DEVICE, NodeState.HOST, NodeState.OFFLOADING
+
+
+class Evictor:
+    """Eviction heaps and victims of a :class:`~.store.TieredStore` (module doc)."""
+
+    def _init_eviction(self) -> None:
+        self._dev_heap: list = []
+        self._host_heap: list = []
+        self.evict_floor: float | None = None  # set while a prefetch evicts (tests check M4)
+
+    # ------------------------------------------------------------------ candidates
+    def dev_candidate(self, n: TreeNode) -> bool:
+        return (n.state is DEVICE and n.lock_ref == 0 and n.n_device_children == 0
+                and not n.detached)
+
+    def host_candidate(self, n: TreeNode) -> bool:
+        if n.detached or n.host_pages is None:
+            return False
+        if n.state is HOST:
+            return n.lock_ref == 0 and not n.children
+        return n.state is DEVICE
+
+    def evictable_above(self, ste: float) -> int:
+        """Pages in unlocked device-resident nodes whose priority is strictly larger than
+        ``ste`` (what a prefetch for an agent of that STE may evict). O(nodes)."""
+        prio = self.index.priority
+        total = 0
+        for n in self.tree.iter_nodes():
+            if n.state is DEVICE and n.lock_ref == 0 and prio(n) > ste:
+                total += len(n.device_pages)
+        return total
+
+    # ------------------------------------------------------------------ heaps
+    def _reindex(self, n: TreeNode) -> None:
+        """(Re)enter ``n`` in the eviction heaps it is a candidate for, with its current key."""
+        if n.parent is None:
+            return
+        dev = self.dev_candidate(n)
+        host = self.host_candidate(n)
+        if not (dev or host):
+            return
+        key = self.policy.eviction_key(self.index.priority(n), n.last_access)
+        if dev:
+            n.dev_ver += 1
+            heapq.heappush(self._dev_heap, (key, n.id, n.dev_ver, n))
+        if host:
+            n.host_ver += 1
+            heapq.heappush(self._host_heap, (key, n.id, n.host_ver, n))
+        limit = 2 * self.tree.num_nodes + 4096
+        if len(self._dev_heap) > limit:
+            self._dev_heap = [e for e in self._dev_heap
+                              if e[2] == e[3].dev_ver and self.dev_candidate(e[3])]
+            heapq.heapify(self._dev_heap)
+        if len(self._host_heap) > limit:
+            self._host_heap = [e for e in self._host_heap
+                               if e[2] == e[3].host_ver and self.host_candidate(e[3])]
+            heapq.heapify(self._host_heap)
+
+    def _on_priority_change(self, node: TreeNode, old: float, new: float) -> None:
+        # Only candidates need a new heap entry; most tagged nodes have device children.
+        if self.policy.uses_priority and (node.n_device_children == 0 or node.host_pages is not None):
+            self._reindex(node)
+
+    def _pop(self, heap: list, dev: bool) -> TreeNode | None:
+        check = self.dev_candidate if dev else self.host_candidate
+        while heap:
+            _, _, ver, n = heapq.heappop(heap)
+            if ver == (n.dev_ver if dev else n.host_ver) and check(n):
+                return n
+        return None
+
+    # ------------------------------------------------------------------ device
+    def _evict_device(self, need: int, reason: str, above: float | None = None) -> int:
+        """Free >= ``need`` device pages (best effort). With ``above``, only nodes whose
+        priority is strictly larger than ``above`` may go (prefetch: no thrash)."""
+        freed = 0
+        index = self.index
+        self.evict_floor = above
+        while freed < need:
+            n = self._pop(self._dev_heap, True)
+            if n is None:
+                break
+            prio = index.priority(n)
+            if above is not None and prio <= above:
+                self._reindex(n)
+                break
+            rest = need - freed
+            if self.partial_eviction and len(n.device_pages) > rest:
+                # Evict only the tail that is needed; the head stays a usable prefix.
+                self.tree.split(n, (len(n.device_pages) - rest) * self.page_size)
+            freed += self._evict_device_node(n, prio, reason)
+        self.evict_floor = None
+        return freed
+
+    def _evict_device_node(self, n: TreeNode, prio: float, reason: str) -> int:
+        if self.on_evict is not None:
+            self.on_evict(n, "device", prio, reason)
+        pages = n.device_pages
+        k = len(pages)
+        pol = self.policy
+        if n.host_pages is None and pol.host_tier and pol.should_backup(prio, self.index.tags_below(n)):
+            hp = self._alloc_host(k, prio)
+            if hp is not None and not n.detached:
+                n.set_state(OFFLOADING)
+                n.host_pages = hp
+                self.backend.backup_to_host(pages, hp)
+                self.metrics.backup_pages += k
+            elif hp is not None:
+                self.host.free(hp)
+        parent = n.parent
+        self.evictable -= k
+        n.device_pages = None
+        parent.n_device_children -= 1
+        self.device.free(pages)
+        self.metrics.evicted("device:" + reason, k)
+        self.loads.mark_wasted(n.load)  # a prefetch evicted before any request read it
+        if n.host_pages is not None:
+            n.set_state(HOST)
+            self.book.node_tier(n, True)
+            self._reindex(n)
+        else:
+            self.metrics.dropped_pages += k
+            self._remove_subtree(n)
+        self._reindex(parent)
+        return k
+
+    # ------------------------------------------------------------------ host
+    def _evict_host(self, need: int, for_priority: float) -> int:
+        freed = 0
+        pol, index = self.policy, self.index
+        while freed < need:
+            n = self._pop(self._host_heap, False)
+            if n is None:
+                break
+            prio = index.priority(n)
+            if not pol.host_victim_allowed(prio, for_priority):
+                self._reindex(n)
+                break
+            if self.on_evict is not None:
+                self.on_evict(n, "host", prio, "backup")
+            hp = n.host_pages
+            n.host_pages = None
+            self.host.free(hp)
+            freed += len(hp)
+            self.metrics.evicted("host:backup", len(hp))
+            if n.state is HOST:
+                parent = n.parent
+                self._remove_subtree(n)
+                self._reindex(parent)
+        return freed
+
+    def _remove_subtree(self, root: TreeNode) -> None:
+        """Drop ``root`` and everything below it (all host-only or copy-less) from the tree."""
+        order, stack = [], [root]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        for n in reversed(order):  # children first: parent links stay valid for the index
+            self.book.node_removed(n)
+            self.index.drop_node(n)
+            if n.host_pages is not None:
+                self.host.free(n.host_pages)
+                n.host_pages = None
+            if n.device_pages is not None:  # cannot happen for a candidate; defensive
+                raise AssertionError(f"removing node {n.id} that still holds device pages")
+            self.tree.remove_leaf(n)

@@ -1,0 +1,247 @@
+"""The load tracker: host -> device transfers in flight, the link clock, and what a load costs.
+
+Engine-agnostic: a :class:`Load` names the engine's nodes it brings back only as opaque
+handles, so the same tracker serves our :class:`~.store.TieredStore` (whose backend says when
+each load lands) and SGLang's ``load_back`` (whose landing is known only when the ack is reaped:
+``start(..., ready=None)`` estimates it, :meth:`LoadTracker.complete` records the real time).
+
+What it answers:
+
+- ``estimate_load_s(pages)``: seconds until ``pages`` started now are readable: queueing behind
+  the loads on the (FIFO) link + ``pages x secs_per_page``, plus, when that is not zero, one
+  *admission delay* (the engine admits a request whose load landed at its next scheduler step at
+  the earliest, while recomputed tokens join the current step's prefill; engines report their
+  step time with :meth:`observe_step`);
+- ``should_load(pages, recompute_s)``: load rather than recompute (True without an estimate);
+- ``recompute_s(n_tokens, ctx)``: the engine's recompute estimate (``recompute_cost`` callable,
+  a fixed ``recompute_s_per_token``, or the prefill speed it reports with
+  :meth:`observe_prefill`); ``None`` means "no estimate: always load".
+
+``secs_per_page`` is configured (bytes per page / link bytes per second) or measured from the
+loads that landed (link time only: a load queued behind another is timed from when the link
+freed up for it).
+
+Hidden / exposed accounting (``metrics.load_hidden_s`` / ``load_exposed_s``): a demand load is
+exposed from its start to its landing; a prefetch is credited when a request first reads it
+(:meth:`credit_use`): exposed = ``ready - first attempt`` (at most its transfer), hidden = the
+rest, where the first attempt is the earliest :meth:`note_wait` (a request skipped because the
+prefetch was still in flight), else the use itself. Wasted: a prefetch evicted or whose
+workflow ended before any use (:meth:`mark_wasted`, :meth:`abandon`).
+
+Invariant L1: ``inflight_prefetch`` = prefetch loads started and not done.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterator
+
+from .metrics import CacheMetrics
+
+Tag = Hashable  # (workflow key, agent)
+
+
+@dataclass(eq=False)
+class Load:
+    """One host -> device transfer of a chain of nodes."""
+    nodes: list                # the engine's node handles being loaded (root side first)
+    pages: int
+    start: float
+    ready: float               # when readable (backend clock); an estimate until done if not timed
+    kind: str                  # "demand" or "prefetch"
+    tag: Tag | None = None
+    key: Any = None            # the engine's id for it (SGLang: the anchor node id)
+    timed: bool = True         # ready is known at start (our backends) vs reported (SGLang acks)
+    link_start: float = 0.0    # when the link began this transfer (after the loads ahead of it)
+    done: bool = False
+    used: bool = False         # a request read it (prefetch)
+    wasted: bool = False
+    read: bool = False         # some admitted request claimed it (engines' per-request stats)
+    first_wait: float | None = None  # first time a request was skipped because it was in flight
+
+    @property
+    def transfer_s(self) -> float:
+        return max(0.0, self.ready - self.start)
+
+
+class LoadTracker:
+    """In-flight loads, the link clock and load-versus-recompute estimates (module doc)."""
+
+    def __init__(self, metrics: CacheMetrics, *, secs_per_page: float | None = None,
+                 recompute_s_per_token: float | None = None,
+                 recompute_cost: Callable[[int, int], float] | None = None,
+                 step_ema: float = 0.1, prefill_ema: float = 0.2) -> None:
+        self.metrics = metrics
+        self.configured_spp = secs_per_page or None
+        self.measured_spp: float | None = None
+        self.recompute_s_per_token = recompute_s_per_token
+        self.recompute_cost = recompute_cost
+        self.admission_delay_s = 0.0     # EMA of the engine's busy scheduler step
+        self.measured_prefill_spt: float | None = None
+        self._step_ema, self._prefill_ema = step_ema, prefill_ema
+        self.link_free_at = 0.0
+        self.inflight_prefetch = 0
+        self.by_tag: dict = {}           # tag -> its latest prefetch Load (wasted on release)
+        self._heap: list = []            # (ready, seq, Load) for timed loads
+        self._inflight: dict[int, Load] = {}
+        self._seq = itertools.count()
+
+    # ------------------------------------------------------------------ costs
+    @property
+    def secs_per_page(self) -> float:
+        """Host->device seconds per page: configured or measured; 0 while unknown."""
+        return self.configured_spp or self.measured_spp or 0.0
+
+    def link_busy_s(self, now: float) -> float:
+        return max(0.0, self.link_free_at - now)
+
+    def estimate_load_s(self, n_pages: int, now: float, *, admission: bool = True) -> float:
+        """Seconds until ``n_pages`` started ``now`` are usable (module doc)."""
+        t = self.link_busy_s(now) + n_pages * self.secs_per_page
+        return t + self.admission_delay_s if admission and t > 0 else t
+
+    @property
+    def has_recompute_estimate(self) -> bool:
+        return (self.recompute_cost is not None or self.recompute_s_per_token is not None
+                or self.measured_prefill_spt is not None)
+
+    def recompute_s(self, n_tokens: int, ctx_tokens: int = 0) -> float | None:
+        if self.recompute_cost is not None:
+            return float(self.recompute_cost(n_tokens, ctx_tokens))
+        spt = self.recompute_s_per_token
+        if spt is None:
+            spt = self.measured_prefill_spt
+        return None if spt is None else n_tokens * spt
+
+    def should_load(self, n_pages: int, recompute_s: float | None, now: float) -> bool:
+        return recompute_s is None or self.estimate_load_s(n_pages, now) <= recompute_s
+
+    def observe_step(self, seconds: float) -> None:
+        """The engine's busy scheduler step took ``seconds`` (the admission delay, EMA)."""
+        a = self._step_ema
+        self.admission_delay_s = (1 - a) * self.admission_delay_s + a * max(0.0, seconds)
+
+    def observe_prefill(self, n_tokens: int, seconds: float) -> None:
+        """The engine prefilled ``n_tokens`` in ``seconds`` (the recompute estimate, EMA)."""
+        if n_tokens <= 0:
+            return
+        spt = seconds / n_tokens
+        old = self.measured_prefill_spt
+        a = self._prefill_ema
+        self.measured_prefill_spt = spt if old is None else (1 - a) * old + a * spt
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self, nodes: list, pages: int, kind: str, now: float, *, ready: float | None = None,
+              tag: Tag | None = None, key: Any = None) -> Load:
+        """Record a started load. ``ready`` None: estimated now, reported by :meth:`complete`."""
+        link_start = max(now, self.link_free_at)
+        timed = ready is not None
+        if ready is None:
+            ready = link_start + pages * self.secs_per_page
+        ld = Load(list(nodes), pages, now, ready, kind, tag, key, timed, link_start)
+        self._inflight[id(ld)] = ld
+        if timed:
+            heapq.heappush(self._heap, (ready, next(self._seq), ld))
+        if kind == "prefetch":
+            self.inflight_prefetch += 1
+            if tag is not None:
+                self.by_tag[tag] = ld
+        self.link_free_at = max(self.link_free_at, ready)
+        return ld
+
+    def due(self, now: float) -> Iterator[Load]:
+        """Pop the timed loads whose ready time passed (the caller lands their nodes)."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            ld = heapq.heappop(heap)[2]
+            if not ld.done:
+                self.complete(ld, ld.ready)
+                yield ld
+
+    def complete(self, ld: Load, now: float, *, measured_s: float | None = None) -> None:
+        """``ld`` landed at ``now`` (a timed load: at its ready time). Its link time calibrates
+        ``secs_per_page``; ``measured_s`` overrides it (an engine that times transfers on
+        another clock; 0 = do not calibrate from this one)."""
+        if ld.done:
+            return
+        ld.done = True
+        self._inflight.pop(id(ld), None)
+        if not ld.timed:
+            ld.ready = now
+            if self.link_free_at > now and not any(not x.done for x in self._inflight.values()):
+                self.link_free_at = now  # the estimate was pessimistic: the link is free
+        if ld.kind == "prefetch":
+            self.inflight_prefetch -= 1
+        self.observe_load(ld.pages, ld.ready - ld.link_start if measured_s is None else measured_s)
+
+    def observe_load(self, pages: int, seconds: float) -> None:
+        """A transfer of ``pages`` took ``seconds`` on the link (``secs_per_page``, EMA)."""
+        if pages and seconds > 0:
+            spp = seconds / pages
+            old = self.measured_spp
+            self.measured_spp = spp if old is None else 0.7 * old + 0.3 * spp
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def inflight_loads(self) -> list[Load]:
+        return list(self._inflight.values())
+
+    @property
+    def next_ready(self) -> float | None:
+        """When the earliest in-flight load lands (estimated for untimed ones), or None."""
+        heap = self._heap
+        while heap and heap[0][2].done:
+            heapq.heappop(heap)
+        t = heap[0][0] if heap else None
+        for ld in self._inflight.values():
+            if not ld.timed and (t is None or ld.ready < t):
+                t = ld.ready
+        return t
+
+    # ------------------------------------------------------------------ accounting
+    def note_demand(self, ld: Load, now: float) -> None:
+        m = self.metrics
+        m.demand_loads += 1
+        m.demand_load_pages += ld.pages
+        m.load_exposed_s += max(0.0, ld.ready - now)
+
+    def note_prefetch(self, ld: Load) -> None:
+        self.metrics.prefetch_issued += 1
+        self.metrics.prefetch_pages += ld.pages
+
+    def note_wait(self, ld: Load, now: float) -> None:
+        """A request that would run now was skipped because ``ld`` is still in flight."""
+        if not ld.done and ld.first_wait is None:
+            ld.first_wait = now
+
+    def credit_use(self, ld: Load, now: float) -> None:
+        """The first request reads prefetch ``ld``: split its transfer into hidden / exposed."""
+        if ld.kind != "prefetch" or ld.used or ld.wasted:
+            return
+        ld.used = True
+        m = self.metrics
+        m.prefetch_used += 1
+        if self.by_tag.get(ld.tag) is ld:
+            del self.by_tag[ld.tag]
+        first = now if ld.first_wait is None else min(ld.first_wait, now)
+        transfer = ld.transfer_s
+        exposed = min(transfer, max(0.0, ld.ready - max(first, ld.start)))
+        m.load_hidden_s += transfer - exposed
+        m.load_exposed_s += exposed
+
+    def mark_wasted(self, ld: Load | None) -> None:
+        """``ld``'s pages left the device before any request read it."""
+        if ld is None or ld.kind != "prefetch" or ld.used or ld.wasted:
+            return
+        ld.wasted = True
+        self.metrics.prefetch_wasted += 1
+        if self.by_tag.get(ld.tag) is ld:
+            del self.by_tag[ld.tag]
+
+    def abandon(self, tag: Tag) -> None:
+        """``tag``'s workflow ended: its unused prefetch was fetched for nothing."""
+        self.mark_wasted(self.by_tag.pop(tag, None))

@@ -1,0 +1,280 @@
+"""One request's conversation with the cache: the protocol every engine drives the same way.
+
+Like vLLM's scheduler talking to its ``KVCacheManager`` through ``KVCacheBlocks``, an engine never
+walks tree nodes; it holds a :class:`RequestSession` per request::
+
+    s = manager.arrive(prompt_ids, hints, fixed_len=L, kv_tokens=len(prompt) + max_new)
+    p = s.poll()              # each scheduler step while it waits: READY / LOADING / ...
+    if p.ready and s.admit(): # device pages for the whole request: s.pages
+        ...prefill with s.pages, reusing the first s.reused tokens...
+        s.commit()            # the prompt's KV joins the tree; the agent's fixed prefix is tagged
+        ...decode...
+    s.finish(seq, written)    # what was written joins the tree; own pages freed; unpinned
+
+``poll`` answers a :class:`Poll` whose ``state`` is a :class:`Readiness`:
+
+- READY: the cached prefix is readable (or nothing is cached): admit now;
+- LOADING: a load (a prefetch, or this request's demand load) is in flight on its prefix; a
+  status-aware engine skips it (the wait is recorded: exposed load time) and polls again;
+- NEEDS_LOAD: a host-only part is not loading: ``poll(start_load=False)`` leaves the choice to
+  the engine (``load()`` now, or ``admit(load_inline=True)`` to overlap it with its own
+  prefill), or a started load found no device room (``reason="no_room"``: poll again);
+- RECOMPUTE: a host-only part will be recomputed (the load tracker found that cheaper than
+  waiting for the link, one admission delay included): admit now.
+
+The session pins (locks) its matched path from the first look until it finishes, so nothing
+it matched, nor a load started for it, is evicted while it waits. If the device is then too
+full for the oldest waiting request while nothing runs and nothing loads, the manager unpins
+the other waiting sessions (they look again later); if it still does not fit, ``admit`` raises
+:class:`CacheFullError`.
+
+The first look records hit counters (``match(record=True)``); the session's ``device_hit`` /
+``host_hit`` say where its reused tokens were when it arrived, ``loads_read`` the loads this
+request was the first to read, ``load_wait_s`` how long it waited for loads.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .manager import KVCacheManager
+
+
+class Readiness(enum.Enum):
+    READY = "ready"
+    LOADING = "loading"
+    NEEDS_LOAD = "needs_load"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class Poll:
+    state: Readiness
+    reason: str                  # "cached", "no_cache", "in_flight", "host_only", "no_room", "cheaper"
+    ready_at: float | None = None  # LOADING: when the loads on its prefix land (backend clock)
+    device_len: int = 0          # tokens readable on device now
+    cached_len: int = 0          # tokens cached in any tier
+
+    @property
+    def ready(self) -> bool:
+        """Admit now (READY or RECOMPUTE)."""
+        return self.state is Readiness.READY or self.state is Readiness.RECOMPUTE
+
+
+class CacheFullError(RuntimeError):
+    """The request cannot get device pages even with nothing else holding any."""
+
+
+class RequestSession:
+    """See the module docstring. Created by :meth:`KVCacheManager.arrive`."""
+
+    def __init__(self, manager: "KVCacheManager", tokens: Sequence[int], hints: Any = None, *,
+                 fixed_len: int | None = None, kv_tokens: int | None = None) -> None:
+        self._mgr = manager
+        self.tokens = list(tokens)
+        self.hints = hints
+        self.fixed_len = fixed_len
+        self.kv_tokens = max(len(self.tokens), kv_tokens or 0)
+        self.state = "waiting"           # waiting -> admitted -> finished
+        self.tag = None                  # (workflow key, agent) of its hints
+        self.handle = None               # lock handle (the deepest matched node)
+        self.device_hit = self.host_hit = 0
+        self.recompute_host = False
+        self.pages: list[int] = []
+        self.own_from = 0                # pages[own_from:] are the request's, not the tree's
+        self.reused = 0                  # prompt tokens taken from the cache at admission
+        self.ready_at: float | None = None  # an inline load lands then (admit(load_inline=True))
+        self.loads_read: list = []
+        self.load_wait_s = 0.0
+        self._wait_since: float | None = None
+        self._tagged = False
+        self._counted = False            # hit counters recorded (a re-look after unpin is not)
+
+    # ------------------------------------------------------------------ waiting
+    @property
+    def looked(self) -> bool:
+        return self.handle is not None
+
+    def poll(self, *, start_load: bool = True) -> Poll:
+        if self.state != "waiting":
+            raise RuntimeError(f"poll: session is {self.state}")
+        store = self._mgr.store
+        if self.handle is None:  # first look: hit counters, pin the matched path
+            m = store.match(self.tokens, record=not self._counted)
+            self.handle = store.lock(m)
+            if not self._counted:
+                self._counted = True
+                self.device_hit, self.host_hit = m.device_len, m.host_len
+        else:
+            m = store.peek(self.tokens)
+        if m.loading:
+            now = store.backend.now()
+            ready = now
+            for ld in store.path_loads(self.tokens):
+                if not ld.done:
+                    store.loads.note_wait(ld, now)
+                    ready = max(ready, ld.ready)
+            self._start_wait(now)
+            return Poll(Readiness.LOADING, "in_flight", ready, m.device_len, m.cached_len)
+        if m.needs_load:
+            if self.recompute_host:
+                return self._ready(Readiness.RECOMPUTE, "cheaper", m)
+            if not start_load:
+                self._start_wait(store.backend.now())
+                return Poll(Readiness.NEEDS_LOAD, "host_only", None, m.device_len, m.cached_len)
+            return self.load()
+        return self._ready(Readiness.READY, "cached" if m.cached_len else "no_cache", m)
+
+    def load(self, *, recompute_s: float | None = None) -> Poll:
+        """Start loading the host-only part of the prefix (or decide to recompute it)."""
+        store = self._mgr.store
+        m = store.match(self.tokens, record=False)
+        self._relock(m.node)
+        now = store.backend.now()
+        ready, reason = store.demand_load(m, recompute_s=recompute_s)
+        if ready is None:
+            if reason == "recompute":
+                self.recompute_host = True
+                return self._ready(Readiness.RECOMPUTE, "cheaper", m)
+            self._start_wait(now)
+            return Poll(Readiness.NEEDS_LOAD, reason, None, m.device_len, m.cached_len)
+        if reason == "loading":
+            self._start_wait(now)
+            return Poll(Readiness.LOADING, "demand_load", ready, m.device_len, m.cached_len)
+        m = store.peek(self.tokens)
+        return self._ready(Readiness.READY, "cached", m)
+
+    def _start_wait(self, now: float) -> None:
+        if self._wait_since is None:
+            self._wait_since = now
+
+    def _ready(self, state: Readiness, reason: str, m) -> Poll:
+        if self._wait_since is not None:
+            self.load_wait_s += self._mgr.store.backend.now() - self._wait_since
+            self._wait_since = None
+        return Poll(state, reason, None, m.device_len, m.cached_len)
+
+    def reserve_pages(self) -> int:
+        """Device pages this waiting request will still allocate (the prefetch budget's reserve)."""
+        store = self._mgr.store
+        p = store.peek(self.tokens)
+        have = p.device_len if p.needs_load else p.cached_len
+        return max(0, -(-self.kv_tokens // store.page_size) - have // store.page_size)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, *, load_inline: bool = False, recompute_s: float | None = None) -> bool:
+        """Take device pages for the whole request (``kv_tokens``): the cached prefix's own
+        pages, then new ones. False: not now (memory is short; wait for running requests).
+        ``load_inline``: a host-only or loading part is waited for inside the engine's batch
+        (``ready_at``) instead of beforehand; ``recompute_s`` decides a load started here."""
+        if self.state != "waiting":
+            raise RuntimeError(f"admit: session is {self.state}")
+        mgr, store = self._mgr, self._mgr.store
+        if self.handle is None:
+            self.poll(start_load=False)
+        m = store.match(self.tokens, record=False)
+        self._relock(m.node)
+        usable, pages, self.ready_at = m.device_len, m.device_pages, None
+        if load_inline and (m.needs_load or m.loading):
+            ready = None
+            if m.needs_load and not self.recompute_host:
+                ready, _ = store.demand_load(m, recompute_s=recompute_s)
+            elif not m.needs_load:
+                ready = max((ld.ready for ld in store.path_loads(self.tokens) if not ld.done),
+                            default=store.backend.now())
+            if ready is not None:
+                usable = m.cached_len
+                pages = [p for n in m.node.path() for p in n.device_pages]
+                self.ready_at = ready
+        ps = store.page_size
+        reuse = min(usable, (len(self.tokens) - 1) // ps * ps)  # prefill needs >= 1 new token
+        prefix = list(pages[:reuse // ps])
+        need = max(1, -(-self.kv_tokens // ps)) - len(prefix)
+        new = store.allocate(need)
+        if new is None and not mgr.admitted_sessions and not store.loads.in_flight:
+            mgr.unpin_waiting(keep=self)  # deadlock breaker: pinned waiters hold the room
+            new = store.allocate(need)
+            if new is None:
+                raise CacheFullError(f"{need} device pages needed; the pool holds "
+                                     f"{store.device.capacity}")
+        if new is None:
+            return False
+        if self._wait_since is not None:
+            self.load_wait_s += store.backend.now() - self._wait_since
+            self._wait_since = None
+        self.pages, self.own_from, self.reused = prefix + new, len(prefix), reuse
+        self.host_hit = min(self.host_hit, max(0, reuse - self.device_hit))
+        self.device_hit = reuse - self.host_hit
+        for ld in store.path_loads(self.tokens[:reuse]):
+            if not ld.read:
+                ld.read = True
+                self.loads_read.append(ld)
+        self.state = "admitted"
+        mgr._admitted(self)
+        return True
+
+    # ------------------------------------------------------------------ running
+    def commit(self, n_tokens: int | None = None, seq: Sequence[int] | None = None) -> None:
+        """After prefill: the first ``n_tokens`` (default: the prompt) of ``seq`` join the tree
+        (the tree takes those pages; the session switches to the tree's copies of duplicates)
+        and, once, the agent's fixed prefix is tagged (declared ``fixed_len``, else inferred)."""
+        self._insert(n_tokens if n_tokens is not None else len(self.tokens), seq)
+        if not self._tagged:
+            self._tagged = True
+            h = self.hints
+            if h is not None:
+                book = self._mgr.tags
+                b = self.fixed_len
+                if b is None:
+                    b = book.infer_boundary(h.workflow, h.agent, self.tokens, app=h.app)
+                if self.fixed_len is not None or b > 0:
+                    book.tag_fixed_prefix(self.tokens, b, h.workflow, h.agent, app=h.app)
+
+    def finish(self, seq: Sequence[int] | None = None, written: int = 0, *, cache: bool = True) -> None:
+        """The request is done (or aborted / failed): with ``cache``, its first ``written``
+        tokens of ``seq`` join the tree; its own pages are freed and its path unpinned."""
+        if self.state == "finished":
+            return
+        store = self._mgr.store
+        if self.state == "admitted" and self.pages:
+            if cache:
+                self._insert(written, seq)
+            own = self.pages[self.own_from:]
+            if own:
+                store.free(own)
+            self.pages = []
+        if self.handle is not None:
+            store.unlock(self.handle)
+            self.handle = None
+        self.state = "finished"
+        self._mgr._finished(self)
+
+    def unpin(self) -> None:
+        """Waiting only: drop the pin; the next poll looks again (no hit counted twice)."""
+        if self.state == "waiting" and self.handle is not None:
+            self._mgr.store.unlock(self.handle)
+            self.handle = None
+
+    # ------------------------------------------------------------------ helpers
+    def _relock(self, node) -> None:
+        store = self._mgr.store
+        new = store.lock(node)
+        if self.handle is not None:
+            store.unlock(self.handle)
+        self.handle = new
+
+    def _insert(self, n_tokens: int, seq: Sequence[int] | None) -> None:
+        store = self._mgr.store
+        ps = store.page_size
+        k = n_tokens // ps
+        if k <= self.own_from or k == 0:
+            return
+        seq = self.tokens if seq is None else seq
+        node = store.insert(seq[:k * ps], self.pages[:k])
+        self._relock(node)
+        tree_pages = [p for n in node.path() for p in n.device_pages]
+        self.pages[:k] = tree_pages[:k]
+        self.own_from = k

@@ -1,0 +1,153 @@
+"""The per-request session (``manager.arrive`` -> ``poll`` -> ``admit`` -> ``commit`` ->
+``finish``): the one protocol the embedded engine, the simulator and the conformance suite
+drive. Readiness states with their reasons, pinning, the deadlock breaker, the prefetch
+reserve taken from waiting sessions, load-wait accounting, the admission-delay charge."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvflow_agents.serving.policy import CacheFullError, Readiness
+from policy_driver import make_manager, put
+
+READY, LOADING, NEEDS_LOAD, RECOMPUTE = (Readiness.READY, Readiness.LOADING,
+                                         Readiness.NEEDS_LOAD, Readiness.RECOMPUTE)
+
+
+def hint(agent, ste, wf="w", step=0):
+    return SimpleNamespace(workflow=wf, agent=agent, ste=ste, step=step, app=None, event=None)
+
+
+def to_host(m, tokens, agent, wf="w"):
+    put(m, tokens, wf, agent, len(tokens))
+    held = m.allocate(m.device.num_free + m.evictable_device_pages)
+    assert m.agent_residency(wf, agent) == "host"
+    m.free(held)
+
+
+def test_full_protocol_tags_caches_and_frees():
+    m = make_manager("kvflow", page_size=2, device_pages=16, host_pages=32)
+    prompt = list(range(10, 22))                       # 12 tokens: 8 fixed + 4 dynamic
+    s = m.arrive(prompt, hint("A", {"A": 0, "B": 1}), fixed_len=8, kv_tokens=16)
+    p = s.poll()
+    assert (p.state, p.reason, p.ready) == (READY, "no_cache", True)
+    assert s.admit() and len(s.pages) == 8 and s.reused == 0
+    s.commit()
+    assert m.agent_residency("w", "A") == "device" and m.fixed_prefix_len("w", "A") == 8
+    s.finish(prompt + [1, 2, 3], 14)
+    assert m.device.num_used == 7                       # 14 tokens cached, the rest freed
+    # the same agent again: its prefix is a device hit, reused at admission
+    s2 = m.arrive(list(range(10, 18)) + [90, 91, 92, 93], hint("A", {"A": 0}), fixed_len=8,
+                  kv_tokens=12)
+    assert s2.poll().reason == "cached" and s2.admit()
+    assert (s2.device_hit, s2.host_hit, s2.reused) == (8, 0, 8)
+    s2.finish(s2.tokens, 12)
+    assert not m.waiting_sessions and not m.admitted_sessions
+    m.check_invariants()
+
+
+def test_host_prefix_loads_on_poll_then_ready_and_wait_is_measured():
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0)
+    to_host(m, [5] * 4, "A")
+    s = m.arrive([5] * 4 + [6], hint("A", {"A": 0}), fixed_len=4)
+    p = s.poll()
+    assert (p.state, p.reason) == (LOADING, "demand_load") and p.ready_at == pytest.approx(4.0)
+    assert (s.device_hit, s.host_hit) == (0, 4)
+    assert s.poll().state is LOADING                    # still in flight
+    m.clock.t = 4.0
+    assert s.poll().state is READY and s.load_wait_s == pytest.approx(4.0)
+    assert s.admit() and s.reused == 4
+    s.finish(s.tokens, 5)
+    assert m.metrics.demand_loads == 1
+    m.check_invariants()
+
+
+def test_start_load_false_leaves_the_choice_and_inline_load_reuses_the_host_part():
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0)
+    to_host(m, [5] * 4, "A")
+    s = m.arrive([5] * 4 + [6], hint("A", {"A": 0}), fixed_len=4)
+    p = s.poll(start_load=False)
+    assert (p.state, p.reason, p.cached_len, p.device_len) == (NEEDS_LOAD, "host_only", 4, 0)
+    assert s.admit(load_inline=True)                    # the batch waits for it instead
+    assert s.reused == 4 and s.ready_at == pytest.approx(4.0)
+
+
+def test_recompute_when_the_link_is_slower_than_prefill_plus_one_step():
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0,
+                     recompute_s_per_token=1.5)        # loading 4 pages: 4 s; recompute: 6 s
+    to_host(m, [5] * 4, "A")
+    s = m.arrive([5] * 4 + [6], hint("A", {"A": 0}), fixed_len=4)
+    assert s.poll().state is LOADING                    # 4 s <= 6 s: load
+    m.clock.t = 10.0
+    s.admit()
+    s.finish(s.tokens, 5)
+    to_host(m, [7] * 4, "B")
+    m.observe_step(30.0)                                # a loaded request waits a step more
+    assert m.loads.admission_delay_s == pytest.approx(3.0)
+    s = m.arrive([7] * 4 + [8], hint("B", {"B": 0}), fixed_len=4)
+    p = s.poll()                                        # 4 s + 3 s > 6 s: recompute
+    assert (p.state, p.reason) == (RECOMPUTE, "cheaper") and p.ready
+    assert s.admit() and s.reused == 0 and s.load_wait_s == 0.0
+    assert m.metrics.loads_declined == 1
+
+
+def test_waiting_sessions_are_the_prefetch_reserve():
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64)
+    to_host(m, [10] * 4, "B")
+    put(m, [50] * 12)                                  # +inf leftovers fill the device
+    assert m.device.num_free == 4
+    s = m.arrive(list(range(100, 114)), hint("A", {"A": 0, "B": 1}), kv_tokens=14)
+    assert m.reserved_pages == 14                      # nothing of it cached
+    # B's prefetch would take room A's admission needs: 4 free + 12 evictable - 14 < 4
+    assert m.tick().prefetches_started == [] and m.metrics.prefetch_budget_skips == 1
+    s.finish()                                         # the request went away (abort)
+    assert m.reserved_pages == 0
+    assert m.tick().prefetches_started == [("w", "B")]
+    m.check_invariants()
+
+
+def test_agent_with_its_own_request_waiting_is_not_prefetched():
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64)
+    to_host(m, [10] * 4, "A")
+    s = m.arrive([10] * 4 + [11], hint("A", {"A": 0}), fixed_len=4)
+    assert m.tick().prefetches_started == []            # A's own request decides
+    assert s.poll().state is READY                      # instant link: its demand load
+    assert m.metrics.demand_loads == 1 and m.metrics.prefetch_issued == 0
+    s.admit()
+    s.finish(s.tokens, 5)
+    to_host(m, [10] * 4, "A")
+    m.update_hints("w", {"A": 1})                       # no request of A waiting: prefetch
+    assert m.metrics.prefetch_issued == 1
+
+
+def test_deadlock_breaker_unpins_other_waiters_then_cache_full():
+    m = make_manager("lru", page_size=1, device_pages=8, host_pages=0)
+    put(m, [1] * 4)
+    put(m, [2] * 4)
+    waiter = m.arrive([2] * 4 + [3], kv_tokens=5)
+    waiter.poll()                                       # pins [2]*4
+    big = m.arrive([9] * 7, kv_tokens=7)
+    big.poll()
+    assert big.admit()                                  # [1]*4 evicted, then the breaker
+    assert not waiter.looked                            # ... unpinned the waiter's prefix
+    waiter.poll()                                       # it looks again, not counted twice
+    assert m.metrics.requests == 2 and waiter.device_hit == 4
+    huge = m.arrive([7] * 20, kv_tokens=20)
+    huge.poll()
+    big.finish(big.tokens, 7)
+    with pytest.raises(CacheFullError):
+        huge.admit()
+
+
+def test_finish_before_admission_and_twice_is_harmless():
+    m = make_manager("kvflow", page_size=1, device_pages=8, host_pages=8)
+    s = m.arrive([1, 2, 3], hint("A", {"A": 0}))
+    s.poll()
+    s.finish()
+    s.finish()
+    assert not m.waiting_sessions and m.tick().prefetches_started == []
+    with pytest.raises(RuntimeError):
+        s.poll()
+    m.check_invariants()

@@ -1,0 +1,139 @@
+"""What the plugin gained by running the policy core's parts over SGLang's tree (the three
+features ``serving/sglang/README.md`` used to list as not adopted), on SGLang's real
+UnifiedRadixCache + HiCache controller + host pool (only the copy itself is stood in):
+
+- the prefetch reserve: room the scheduler's waiting queue will allocate is not prefetched into;
+- exposed / hidden load time: a request held back by a load in flight charges the wait;
+- load versus recompute: a demand ``init_load_back`` is skipped when recomputing is cheaper,
+  and the link estimate is calibrated from SGLang's own load-back durations.
+"""
+
+from __future__ import annotations
+
+import unittest
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+pytest.importorskip("sglang.srt")
+
+from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InitLoadBackParams,  # noqa: E402
+                                                    MatchPrefixParams)
+from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
+from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
+from sgl_helpers import KVFlowHiCacheSetup, hints, key, run_request  # noqa: E402
+
+from kvflow_agents.protocol import Hints  # noqa: E402
+
+
+def seq(base, n):
+    return list(range(base, base + n))
+
+
+class CoreAdoptionTest(KVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.TestCase):
+    cfg = CacheConfig(page_size=4, eviction_policy="kvflow", kv_size=128, max_context_len=256,
+                      max_num_reqs=32)
+
+    def setUp(self):
+        super().setUp()
+        self.clock = [1000.0]
+        self.cache._wall_clock = lambda: self.clock[0]
+        self.fixed = {"A": seq(1000, 16), "B": seq(2000, 16)}
+
+    def req(self, agent, ste):
+        return run_request(self, self.cache, self.alloc, self.r2t, self.fixed[agent],
+                           hints("wf", agent, ste, fixed_tokens=16))
+
+    def offload_all(self):
+        self._backup_tree(self.cache)
+        self.cache.evict(EvictParams(num_tokens=self.cache.evictable_size()))
+
+    def test_prefetch_reserve_keeps_room_for_the_waiting_queue(self):
+        self.req("A", {"A": 1})
+        self.offload_all()
+        # untagged (+inf) work on device, 16 tokens free: A's prefix would fit
+        for i in range(7):
+            run_request(self, self.cache, self.alloc, self.r2t, seq(50000 + 100 * i, 16))
+        self.assertEqual(self.alloc.available_size(), 16)
+        # a queued request will need 124 tokens: free + evictable - 124 < 16, no prefetch
+        waiting = [SimpleNamespace(origin_input_ids=list(range(120)), prefix_len=0,
+                                   sampling_params=SimpleNamespace(max_new_tokens=4))]
+        self.cache.kvflow_watch_queue(lambda: waiting)
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="X", ste={"A": 1}))
+        self.assertEqual(self.cache.kvflow_prefetch(), [])
+        self.assertGreaterEqual(self.cache.kv_metrics.prefetch_budget_skips, 1)
+        waiting.clear()  # the queue drained: the free room is the prefetch's
+        self.assertEqual(self.cache.kvflow_prefetch(), [("wf", "A")])
+
+    def test_a_request_held_back_by_a_prefetch_charges_exposed_time(self):
+        self.req("A", {"A": 1})
+        self.offload_all()
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="X", ste={"A": 1}))
+        self.assertEqual(self.cache.kvflow_prefetch(), [("wf", "A")])
+        self.clock[0] += 0.5
+        waiting, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t,
+                                             self.fixed["A"] + seq(70000, 4))
+        self.assertTrue(self.cache.kvflow_blocked(waiting))  # held: its wait starts now
+        self.clock[0] += 0.25
+        self.ack_all()                                       # landed 0.25 s later
+        m = self.cache.kv_metrics
+        self.assertEqual((m.prefetch_used, m.load_exposed_s), (0, 0.0))
+        self.cache.match_prefix(MatchPrefixParams(key=key(self.fixed["A"] + seq(70000, 4)),
+                                                  req=waiting))
+        self.assertEqual(m.prefetch_used, 1)
+        self.assertAlmostEqual(m.load_exposed_s, 0.25, places=3)   # from the hold to landing
+        self.assertAlmostEqual(m.load_hidden_s, 0.5, places=3)     # before anyone wanted it
+
+    def test_prefetch_read_after_landing_is_all_hidden(self):
+        self.req("A", {"A": 1})
+        self.offload_all()
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="X", ste={"A": 1}))
+        self.cache.kvflow_prefetch()
+        self.clock[0] += 0.3
+        self.ack_all()
+        reader, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t, self.fixed["A"])
+        self.cache.match_prefix(MatchPrefixParams(key=key(self.fixed["A"]), req=reader))
+        m = self.cache.kv_metrics
+        self.assertEqual(m.prefetch_used, 1)
+        self.assertEqual(m.load_exposed_s, 0.0)
+        self.assertAlmostEqual(m.load_hidden_s, 0.3, places=3)
+
+    def test_load_back_durations_calibrate_the_link_estimate(self):
+        self.assertEqual(self.cache.kv_loads.secs_per_page, 0.0)   # unknown until measured
+        self.req("A", {"A": 1})
+        self.offload_all()
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="X", ste={"A": 1}))
+        with mock.patch("kvflow_agents.serving.sglang.cache.time.perf_counter",
+                        side_effect=[10.0, 10.4]):
+            self.cache.kvflow_prefetch()   # load_back at 10.0 s (4 pages)
+            self.ack_all()                 # reaped at 10.4 s
+        self.assertAlmostEqual(self.cache.kv_loads.secs_per_page, 0.1)
+        self.assertAlmostEqual(self.cache.kvflow_snapshot()["link"]["secs_per_page"], 0.1)
+
+    def test_demand_load_declined_when_recomputing_is_cheaper(self):
+        self.req("A", {"A": 0})
+        self.offload_all()
+        self.cache.kv_loads.measured_spp = 1.0     # a slow link: 1 s per page
+        self.cache.kv_loads.recompute_s_per_token = 0.001
+        r, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t,
+                                       self.fixed["A"] + seq(80000, 4))
+        r.init_next_round_input(self.cache)
+        self.assertEqual(r.host_hit_length, 16)
+        with mock.patch.object(self.cache, "load_back") as lb:
+            loaded, last = self.cache.init_load_back(InitLoadBackParams(
+                best_match_node=r.best_match_node, host_hit_length=r.host_hit_length, req=r))
+        lb.assert_not_called()
+        self.assertEqual((loaded, last), (0, r.last_node))
+        m = self.cache.kv_metrics
+        self.assertEqual((m.loads_declined, m.declined_pages, m.demand_loads), (1, 4, 0))
+        # a fast link: loaded (and tracked until its ack)
+        self.cache.kv_loads.measured_spp = 1e-6
+        loaded, _ = self.cache.init_load_back(InitLoadBackParams(
+            best_match_node=r.best_match_node, host_hit_length=r.host_hit_length, req=r))
+        self.assertEqual(loaded, 16)
+        self.assertEqual(m.demand_loads, 1)
+        self.assertEqual(self.cache.kv_loads.in_flight, 1)
+        self.cache.ready_to_load_host_cache()
+        self.ack_all()
+        self.assertEqual(self.cache.kv_loads.in_flight, 0)
