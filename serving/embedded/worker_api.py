@@ -112,8 +112,8 @@ def flush(engine) -> tuple[bool, str]:
         if sum(q.values()) or eng.manager.loads_in_flight:
             return False, "requests or loads in flight; nothing flushed"
         mgr = eng.manager
-        dev = mgr._evict_device(mgr.device.num_used, "flush")
-        host = mgr._evict_host(mgr.host.num_used, -math.inf) if mgr.host.capacity else 0
+        dev = mgr.store._evict_device(mgr.device.num_used, "flush")
+        host = mgr.store._evict_host(mgr.host.num_used, -math.inf) if mgr.host.capacity else 0
         return True, f"flushed {dev} device and {host} host pages"
     return engine.call(run)
 
