@@ -45,6 +45,12 @@ What happens:
   ``recorder=`` a ``TraceRecorder`` keeps the runs (``kvflow bench predict --traces``).
 * **Out of band** — a step that runs a tool node (``llm=False``) posts a ``transition``; the end
   of a run (not a pause at an interrupt) releases the workflow with ``end`` (all STE null).
+* **Tool gaps** — each tool node's step is timed, per tool called (the names in the last
+  ``AIMessage``'s ``tool_calls``; the node as a whole when it cannot tell), as a moving average
+  (:class:`ToolTimes`). Once a tool has been timed, the ``transition`` of a step that runs it says
+  *when* the agents it returns to run again: ``kvflow_tool_s = {agent: expected seconds}``, for
+  each LLM agent one step after the tool node. The server keeps those agents' last turns and
+  brings them back in time (``serving/policy/toolgap.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -86,6 +93,52 @@ MAX_WORKFLOWS = 4096  # per instrumented app; least recently used paused threads
 DEFAULT_GRAPH_NAME = "LangGraph"
 
 
+class ToolTimes:
+    """Measured durations of tool steps: an exponential moving average per tool name (and per
+    tool node, for steps whose tools are unknown). Thread-safe."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.by_tool: dict[str, float] = {}
+        self.by_node: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, node: str, tools: tuple, seconds: float) -> None:
+        with self._lock:
+            keys = [(self.by_node, node)] + [(self.by_tool, t) for t in tools]
+            for table, key in keys:
+                old = table.get(key)
+                table[key] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def expected(self, node: str, tools: tuple) -> Optional[float]:
+        """The expected seconds of a step of ``node`` running ``tools`` (in parallel: the
+        slowest), or None when none of them was timed yet."""
+        with self._lock:
+            known = [self.by_tool[t] for t in tools if t in self.by_tool]
+            if known:
+                return max(known)
+            return self.by_node.get(node)
+
+
+def _tool_names(task_input: Any) -> tuple:
+    """The tools a ToolNode task will run: from a ``ToolCallWithContext`` (a ``Send`` per call)
+    or the last ``AIMessage``'s ``tool_calls`` in its input state."""
+    if isinstance(task_input, dict):
+        if task_input.get("__type") == "tool_call_with_context":
+            name = (task_input.get("tool_call") or {}).get("name")
+            return (name,) if isinstance(name, str) else ()
+        msgs = task_input.get("messages")
+    elif isinstance(task_input, list):
+        msgs = task_input
+    else:
+        msgs = getattr(task_input, "messages", None)
+    for m in reversed(msgs or ()):
+        calls = getattr(m, "tool_calls", None)
+        if calls:
+            return tuple(sorted({c.get("name") for c in calls if isinstance(c.get("name"), str)}))
+    return ()
+
+
 @dataclass
 class _LoopState:
     root: bool
@@ -108,6 +161,7 @@ class _Workflow:
     interrupted: bool = False
     run_id: Optional[UUID] = None
     version: int = 0
+    tool_runs: dict[str, tuple[str, tuple, float]] = field(default_factory=dict)  # ns -> (node, tools, t0)
     hints_cache: dict[tuple[str, int], tuple[int, Hints]] = field(default_factory=dict)
 
 
@@ -149,6 +203,7 @@ class LangGraphInstrumentation:
         self.learn = learn
         self.recorder = recorder
         self.reporter = HintReporter(hints_url)
+        self.tool_times = ToolTimes()
         self.handler = _Handler(self)
         self._lock = threading.RLock()
         self._workflows: OrderedDict[str, _Workflow] = OrderedDict()
@@ -265,6 +320,7 @@ class LangGraphInstrumentation:
                     elif isinstance(error, GraphInterrupt):
                         wf.interrupted = True
                     elif isinstance(error, ParentCommand):  # a hand-off: done, its loop is over
+                        self._tool_done(wf, node[1])
                         self._finish_handoff(wf, node[1])
                 if not _PATCHED:
                     self._fallback_finish(wf, node[1], error)
@@ -378,6 +434,9 @@ class LangGraphInstrumentation:
             ls.ticks += 1
             wf.step = max(wf.step, step)
             t = wf.tracker
+            tool_s: dict[str, float] = {}
+            tasks = {((tk.config or {}).get("metadata") or {}).get("langgraph_checkpoint_ns") or tk.name: tk
+                     for tk in loop.tasks.values()}
             for name, kind, ns in frontier:
                 wf.task_step[ns] = step
                 if kind != 0:
@@ -387,13 +446,37 @@ class LangGraphInstrumentation:
                 except GraphError:
                     continue
                 ls.started.append((name, ns))
-                if transition is None and not self.graph.is_llm(name):
-                    transition = name
+                if not self.graph.is_llm(name):
+                    tools = _tool_names(getattr(tasks.get(ns), "input", None))
+                    wf.tool_runs[ns] = (name, tools, time.monotonic())
+                    self._plan_resume(name, tools, tool_s)
+                    if transition is None:
+                        transition = name
             wf.version += 1
             if transition is not None:
                 hints = self._hints(wf, transition, step)
         if transition is not None:
-            self.reporter.report(hints.model_copy(update={"event": "transition"}), event="transition")
+            update: dict[str, Any] = {"event": "transition"}
+            if tool_s:
+                update["tool_s"] = tool_s
+            self.reporter.report(hints.model_copy(update=update), event="transition")
+
+    def _plan_resume(self, tool_node: str, tools: tuple, out: dict[str, float]) -> None:
+        """The LLM agents ``tool_node`` returns to, with the step's expected duration (when its
+        tools were timed before)."""
+        secs = self.tool_times.expected(tool_node, tools)
+        if secs is None:
+            return
+        for nxt in self.graph.successors(tool_node):
+            if nxt in self.graph and self.graph.is_llm(nxt):
+                out[nxt] = max(out.get(nxt, 0.0), secs)
+
+    def _tool_done(self, wf: _Workflow, ns: str) -> None:
+        """A tool node's task finished: time it (caller holds ``wf.lock``)."""
+        run = wf.tool_runs.pop(ns, None)
+        if run is not None:
+            node, tools, t0 = run
+            self.tool_times.observe(node, tools, time.monotonic() - t0)
 
     def _loop_workflow(self, loop: Any) -> Any:
         """The tracked workflow a Pregel loop belongs to (by thread id, else root run id)."""
@@ -416,6 +499,7 @@ class LangGraphInstrumentation:
                     wf.tracker.finish(agent)
                 except GraphError:
                     pass
+                self._tool_done(wf, ns)
                 wf.completed.discard(ns)
                 wf.task_step.pop(ns, None)
             ls.started = []

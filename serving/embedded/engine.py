@@ -358,7 +358,7 @@ class Engine:
 
     def _idle_timeout(self) -> float:
         """How long to sleep when nothing could run: until the next load lands (or 0.5 s)."""
-        nxt = self.manager.next_load_at
+        nxt = self.manager.next_event_at  # loads landing, tool-gap plans moving
         nxt = nxt() if callable(nxt) else nxt
         t = 0.5
         if nxt is not None:  # demand loads and prefetches alike

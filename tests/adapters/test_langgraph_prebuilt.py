@@ -177,3 +177,32 @@ def test_bench_predict_on_a_real_supervisor_app_learns_its_routing():
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output[r.output.index("{"):])
     assert doc["source"].startswith("langgraph-supervisor app") and len(doc["results"]) == 4
+
+
+def test_tool_steps_are_timed_and_the_transition_says_when_the_agent_resumes(recording_server):
+    """The first run times the tool; from the second run on, the out-of-band transition of the
+    tool step carries kvflow_tool_s = {the agent it returns to: its expected seconds}."""
+    import time
+
+    from langgraph.prebuilt import create_react_agent
+
+    from kvflow_agents import oob
+
+    @tool
+    def slow_lookup(q: str) -> str:
+        """A slow lookup."""
+        time.sleep(0.15)
+        return "found"
+
+    script = [call("slow_lookup", q="x"), AIMessage(content="ok")] * 2
+    app = kvflow.instrument(create_react_agent(Scripted(messages=iter(script)), [slow_lookup]), app_id="gap-test",
+                            hints_url=recording_server.base_url, learn=False)
+    for i in range(2):
+        app.invoke({"messages": [("user", "go")]}, {"configurable": {"thread_id": f"g{i}"}})
+    oob.flush(5)
+    posts = [p.body for p in recording_server.hint_posts() if p.body.get("kvflow_event") == "transition"]
+    assert [p["kvflow_agent"] for p in posts] == ["tools", "tools"]
+    assert "kvflow_tool_s" not in posts[0]  # nothing timed yet
+    assert set(posts[1]["kvflow_tool_s"]) == {"agent"} and 0.12 <= posts[1]["kvflow_tool_s"]["agent"] < 1.0
+    assert posts[1]["kvflow_ste"]["agent"] == 1
+    assert 0.12 <= app.kvflow.tool_times.by_tool["slow_lookup"] < 1.0
