@@ -173,3 +173,25 @@ def check_tool_calls(calls: Sequence[Call], tools: Sequence[Any]) -> list[str]:
             except Exception as e:  # noqa: BLE001 — reported, not raised
                 bad.append(f"{c.agent}: {t['name']}({t['arguments']}): {e}")
     return bad
+
+
+def main(doc: str, run: Any, question: str, argv: Optional[list[str]] = None) -> int:
+    """A quickstart's command line: server options and ``--question``; runs ``run(base_url,
+    model, question, ...)`` and prints the graph, the conversation and the hint summary."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add_server_args(ap)
+    ap.add_argument("--question", default=question)
+    args = ap.parse_args(argv)
+    with server(args.base_url, args.model) as base_url:
+        res = run(base_url, args.model, args.question, api_key=args.api_key, max_tokens=args.max_tokens)
+    print("Agent Step Graph:", ", ".join(res["app"].kvflow_graph.agents))
+    for m in res["messages"]:
+        calls = getattr(m, "tool_calls", None)
+        print(f"{getattr(m, 'name', None) or m.type:>28}: {calls if calls else m.content}")
+    log = res["log"]
+    if res.get("active"):
+        print(f"active agent at the end: {res['active']}")
+    print(f"done: {len(log.calls)} LLM calls, hints on every call accepted: {log.all_hinted}")
+    return 0

@@ -18,7 +18,6 @@ user's turn (``tool_choice="required"``) and lets the model answer after (see
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,8 @@ if __package__ in (None, ""):
 from langchain_core.tools import tool
 
 import kvflow_agents as kvflow
-from examples.agents_common import CallLog, add_server_args, chat_model, server, tools_first
+from examples.agents_common import CallLog, chat_model, tools_first
+from examples.agents_common import main as common_main
 
 CITIES = {"paris": (18, "light rain"), "rome": (27, "sunny"), "oslo": (9, "cloudy"), "tokyo": (22, "humid")}
 
@@ -74,19 +74,7 @@ def run(base_url: str, model: str, question: str = "What is the weather in Paris
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_server_args(ap)
-    ap.add_argument("--question", default="What is the weather in Paris?")
-    args = ap.parse_args(argv)
-    with server(args.base_url, args.model) as base_url:
-        res = run(base_url, args.model, args.question, api_key=args.api_key, max_tokens=args.max_tokens)
-    print("Agent Step Graph:", ", ".join(res["app"].kvflow_graph.agents))
-    for m in res["messages"]:
-        calls = getattr(m, "tool_calls", None)
-        print(f"{m.type:>5}: {m.content if not calls else calls}")
-    log = res["log"]
-    print(f"done: {len(log.calls)} LLM calls, hints on every call accepted: {log.all_hinted}")
-    return 0
+    return common_main(__doc__, run, 'What is the weather in Paris?', argv)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ With a capable model, pass the ``ChatOpenAI`` as ``model=`` and drop the hook.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -30,11 +29,12 @@ from typing import Any, Optional
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.messages import AIMessage
 from langchain_core.tools import tool
 
 import kvflow_agents as kvflow
-from examples.agents_common import CallLog, add_server_args, chat_model, server, tools_first
+from examples.agents_common import CallLog, chat_model, tools_first
+from examples.agents_common import main as common_main
 
 FACTS = {"population of france": "68 million", "population of italy": "59 million",
          "capital of france": "Paris", "capital of italy": "Rome"}
@@ -120,21 +120,7 @@ def run(base_url: str, model: str, question: str = "What is the population of Fr
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_server_args(ap)
-    ap.add_argument("--question", default="What is the population of France?")
-    args = ap.parse_args(argv)
-    with server(args.base_url, args.model) as base_url:
-        res = run(base_url, args.model, args.question, api_key=args.api_key, max_tokens=args.max_tokens)
-    print("Agent Step Graph:", ", ".join(res["app"].kvflow_graph.agents))
-    for m in res["messages"]:
-        calls = getattr(m, "tool_calls", None)
-        who = getattr(m, "name", None) or m.type
-        text = calls if calls else (m.content if not isinstance(m, ToolMessage) else f"[{m.name}] {m.content}")
-        print(f"{who:>28}: {text}")
-    log = res["log"]
-    print(f"done: {len(log.calls)} LLM calls, hints on every call accepted: {log.all_hinted}")
-    return 0
+    return common_main(__doc__, run, 'What is the population of France?', argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ valid by the server's grammar), its next turn answers (``"none"``); see
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,8 @@ if __package__ in (None, ""):
 from langchain_core.tools import tool
 
 import kvflow_agents as kvflow
-from examples.agents_common import CallLog, add_server_args, chat_model, server, tools_first
+from examples.agents_common import CallLog, chat_model, tools_first
+from examples.agents_common import main as common_main
 
 
 @tool
@@ -86,20 +86,7 @@ def run(base_url: str, model: str, question: str = "I need a hotel in Rome for 3
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_server_args(ap)
-    ap.add_argument("--question", default="I need a hotel in Rome for 3 nights.")
-    args = ap.parse_args(argv)
-    with server(args.base_url, args.model) as base_url:
-        res = run(base_url, args.model, args.question, api_key=args.api_key, max_tokens=args.max_tokens)
-    print("Agent Step Graph:", ", ".join(res["app"].kvflow_graph.agents))
-    for m in res["messages"]:
-        calls = getattr(m, "tool_calls", None)
-        print(f"{getattr(m, 'name', None) or m.type:>20}: {calls if calls else m.content}")
-    log = res["log"]
-    print(f"active agent at the end: {res['active']}; {len(log.calls)} LLM calls, "
-          f"hints on every call accepted: {log.all_hinted}")
-    return 0
+    return common_main(__doc__, run, 'I need a hotel in Rome for 3 nights.', argv)
 
 
 if __name__ == "__main__":
