@@ -96,9 +96,14 @@ def _text(lo: int, hi: int, extra: str = "") -> dict:
 
 
 _QUESTION = {"type": "string", "pattern": f"^[A-Z][{_CHARS}]{{15,200}}\\?$"}
-# A fact starts with the [id] of its passage: the model copies an id from the search result and
-# then, as the passage follows that id there, the passage's own words (a small model's strength).
-_FACT = {"type": "string", "pattern": f"^\\[[A-Za-z0-9/#._\\-]{{3,48}}\\] [A-Z0-9][{_CHARS}]{{10,260}}$"}
+def _cited(lo: int, hi: int) -> dict:
+    """A sentence that starts with the [id] of the passage it rests on: the model copies an id
+    from its context and then, as the passage follows that id there, the passage's own words
+    (what a small model does well, instead of drifting or echoing its instructions)."""
+    return {"type": "string", "pattern": f"^\\[[A-Za-z0-9/#._\\-]{{3,48}}\\] [A-Z0-9][{_CHARS}]{{{lo},{hi}}}$"}
+
+
+_FACT = _cited(10, 260)
 
 
 PLAN_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["sub_questions"],
@@ -109,9 +114,9 @@ FINDINGS_SCHEMA = {"type": "object", "additionalProperties": False, "required": 
                                             "items": _FACT},
                                   "gaps": _text(3, 160)}}
 ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "key_points", "risks"],
-                 "properties": {"answer": _text(20, 300),
-                                "key_points": {"type": "array", "minItems": 2, "maxItems": 3, "items": _text(10, 180)},
-                                "risks": {"type": "array", "minItems": 1, "maxItems": 2, "items": _text(10, 150)}}}
+                 "properties": {"answer": _cited(20, 300),
+                                "key_points": {"type": "array", "minItems": 2, "maxItems": 3, "items": _cited(10, 220)},
+                                "risks": {"type": "array", "minItems": 1, "maxItems": 2, "items": _cited(10, 180)}}}
 REVIEW_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["score", "verdict", "suggestion"],
                  "properties": {"score": {"type": "integer", "minimum": 0, "maximum": 100},
                                 "verdict": {"type": "string", "enum": ["PASS", "FAIL"]},
@@ -279,17 +284,27 @@ def parse_review(text: str) -> Review:
 _SCORE = re.compile(r'"score"\s*:\s*(\d{1,3})')
 
 
+_LEAD_LABEL = re.compile(r"^\[([^\]]+)\]\s*(.*)$", re.S)
+
+
+def _source_last(text: str) -> str:
+    """``"[id] sentence"`` -> ``"sentence [id]"`` (the user reads the claim first)."""
+    m = _LEAD_LABEL.match(text.strip())
+    return f"{m.group(2).strip()} [{m.group(1)}]" if m else text.strip()
+
+
 def render_answer(doc: Optional[dict], raw: str = "") -> str:
-    """The expresser's JSON answer as the text a user reads (the raw reply when unparsed)."""
+    """The expresser's JSON answer as the text a user reads, each source after its sentence
+    (the raw reply when unparsed)."""
     if not doc or not isinstance(doc.get("answer"), str):
         return (raw or "").strip()
-    lines = [f"Answer: {doc['answer'].strip()}"]
+    lines = [f"Answer: {_source_last(doc['answer'])}"]
     points = [p for p in doc.get("key_points") or [] if isinstance(p, str)]
     if points:
-        lines += ["Key points:"] + [f"- {p.strip()}" for p in points]
+        lines += ["Key points:"] + [f"- {_source_last(p)}" for p in points]
     risks = [r for r in doc.get("risks") or [] if isinstance(r, str)]
     if risks:
-        lines += ["Risks and what to watch:"] + [f"- {r.strip()}" for r in risks]
+        lines += ["Risks and what to watch:"] + [f"- {_source_last(r)}" for r in risks]
     return "\n".join(lines)
 
 

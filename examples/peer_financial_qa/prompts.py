@@ -192,17 +192,19 @@ evidence, then risks and what to watch.
 5. Include at least one risk, counter-argument or uncertainty. A one-sided answer fails review.
 6. Do not give personal investment advice. You may explain what an investor would weigh or \
 monitor, but never say "buy", "sell" or "hold", and never set a price target.
-7. Do not mention the agents, sub-questions, snippets or citations in the text of the answer. \
-Write for the end user. Plain language; explain jargon in a few words the first time.
-8. Length: 120 to 300 words in total.
+7. Start every field with the label of the finding it rests on, in square brackets, as the \
+findings show it (for example "[macro-01/S2] "); the user sees it as the source. Do not \
+mention the agents or sub-questions. Plain language; explain jargon in a few words.
+8. Keep it short: every field is one sentence.
 9. When review notes are present, address every note. Do not argue with the reviewer and do \
 not mention the review in the answer.
 
 ## Output format
 A JSON object:
-{"answer": "<one or two sentences that directly answer the question>", "key_points": \
-["<evidence, most important first>", "..."], "risks": ["<one or two risks or things to watch>"]}
-Two to four key points, one or two risks, each one sentence. No labels in the text.
+{"answer": "[<label>] <one sentence that directly answers the question>", "key_points": \
+["[<label>] <evidence, most important first>", "..."], "risks": ["[<label>] <a risk or a \
+thing to watch>"]}
+Two or three key points, one or two risks, each one sentence after its label.
 
 ## How to build the answer from the findings
 - Read every finding first. Group the facts that answer the same part of the question.
