@@ -139,9 +139,10 @@ class CallCapture:
                 self.measured = False
 
             def on_chat_model_start(self, serialized, messages, *, run_id: UUID, metadata=None, **kw):
+                from examples.peer_financial_qa.usage import agent_of
+
                 with self.lock:
-                    self.runs[run_id] = (str((metadata or {}).get("langgraph_node") or "?"),
-                                         time.perf_counter())
+                    self.runs[run_id] = (agent_of(metadata), time.perf_counter())
 
             def on_llm_error(self, error, *, run_id: UUID, **kw):
                 with self.lock:

@@ -12,7 +12,10 @@ Public API (thread-safe): ``Engine(config=None, *, loaded=None, **EngineConfig f
 ``submit(req)`` / ``abort(rid)`` (sink-based); ``update_hints(Hints)`` (out-of-band, incl.
 ``event="end"``); ``cache_report()`` (what ``/kvflow/v1/cache`` shows); ``stats()`` (non-blocking
 snapshot for metrics); ``call(fn)`` (run ``fn(engine)`` on the engine thread); ``shutdown()``.
-Sampling keywords: ``max_tokens, temperature, top_p, stop, seed, ignore_eos``.
+Sampling keywords: ``max_tokens, temperature, top_p, stop, seed, ignore_eos``, penalties,
+``logit_bias``, ``logprobs``/``top_logprobs``, ``grammar`` (a ``grammar.GrammarSpec``: JSON schema,
+tool-call structural tag...); ``chat(..., tools=[...])`` renders OpenAI tools into the prompt.
+Logits go through ``sampling.BatchSampler`` (one call per prefill/decode step).
 
 It owns the model, the tokenizer, the paged KV pools (:class:`~.kv_pool.PagedKVPool`, which is
 the policy core's ``KVTransferBackend``) and a :class:`~kvflow_agents.serving.policy.KVCacheManager`.
@@ -60,7 +63,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from kvflow_agents.serving.policy import CacheFullError
 
-from .engine_config import EngineConfig, EngineInputError, params_from_kwargs, sample_tokens
+from .engine_config import EngineConfig, EngineInputError, params_from_kwargs
 from .scheduler import (Completion, Request, RequestState, SamplingParams, Scheduler,
                         StreamEvent)
 
@@ -126,6 +129,10 @@ class Engine:
         self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
                                    max_skip_s=cfg.max_skip_s)
         self.page_size = ps
+        from .grammar import GrammarBackend
+        from .sampling import BatchSampler
+        self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
+        self.sampler = BatchSampler(self.grammar)
         self._cuda = torch.device(cfg.device).type == "cuda"
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
@@ -180,7 +187,8 @@ class Engine:
     def make_request(self, *, messages: Optional[Sequence[dict]] = None, prompt: Optional[str] = None,
                      prompt_ids: Optional[Sequence[int]] = None, params: Optional[SamplingParams] = None,
                      max_tokens: Optional[int] = None, hints: Any = None,
-                     sink: Optional[Callable[[StreamEvent], None]] = None) -> Request:
+                     sink: Optional[Callable[[StreamEvent], None]] = None,
+                     tools: Optional[Sequence[dict]] = None) -> Request:
         """Tokenize and validate (any thread). Raises :class:`EngineInputError`."""
         params = params or SamplingParams()
         if isinstance(hints, dict):  # the wire form (custom_params) is accepted too
@@ -189,11 +197,12 @@ class Engine:
         fixed_len = None
         if messages is not None:
             try:
-                ids = self.tokenizer.encode_chat(list(messages))
+                ids = self.tokenizer.encode_chat(list(messages), tools=tools)
             except Exception as e:  # a template that rejects the conversation
                 raise EngineInputError(f"messages: cannot apply the chat template: {e}", "messages") from None
             if hints is not None and getattr(hints, "fixed_messages", None) is not None:
-                fixed_len = self.tokenizer.fixed_prefix_tokens(list(messages), hints.fixed_messages, ids)
+                fixed_len = self.tokenizer.fixed_prefix_tokens(list(messages), hints.fixed_messages, ids,
+                                                               tools=tools)
         elif prompt is not None:
             ids = self.tokenizer.encode(prompt)
         elif prompt_ids is not None:
@@ -223,7 +232,22 @@ class Engine:
             raise EngineInputError(f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the capacity of "
                                    f"{int(limit)} tokens; lower max_tokens or raise --device-tokens",
                                    "max_tokens", "context_length_exceeded")
-        return Request(ids, params, sink or (lambda ev: None), hints=hints, fixed_len=fixed_len)
+        grammar = self._compile_grammar(params)
+        return Request(ids, params, sink or (lambda ev: None), hints=hints, fixed_len=fixed_len,
+                       grammar=grammar)
+
+    def _compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled constraint of ``params.grammar`` (cached by xgrammar), or None."""
+        from .grammar import GrammarError
+
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise EngineInputError(f"logit_bias: token ids must be < {self.model_config.vocab_size}", "logit_bias")
+        if params.grammar is None:
+            return None
+        try:
+            return self.grammar.compile(params.grammar)
+        except GrammarError as e:
+            raise EngineInputError(str(e), e.param) from None
 
     # ================================================================ thread-safe API
     def submit(self, req: Request) -> str:
@@ -269,9 +293,9 @@ class Engine:
         return self._blocking(kw, hints, timeout, sampling)
 
     def chat(self, messages: Sequence[dict], *, hints: Any = None, timeout: Optional[float] = None,
-             **sampling) -> Completion:
-        """Blocking chat completion (the model's chat template is applied)."""
-        return self._blocking({"messages": messages}, hints, timeout, sampling)
+             tools: Optional[Sequence[dict]] = None, **sampling) -> Completion:
+        """Blocking chat completion (the model's chat template is applied, with ``tools``)."""
+        return self._blocking({"messages": messages, "tools": tools}, hints, timeout, sampling)
 
     def _blocking(self, kw: dict, hints, timeout, sampling: dict) -> Completion:
         done = threading.Event()
@@ -357,7 +381,7 @@ class Engine:
 
     def _idle_timeout(self) -> float:
         """How long to sleep when nothing could run: until the next load lands (or 0.5 s)."""
-        nxt = self.manager.next_load_at
+        nxt = self.manager.next_event_at  # loads landing, tool-gap plans moving
         nxt = nxt() if callable(nxt) else nxt
         t = 0.5
         if nxt is not None:  # demand loads and prefetches alike
@@ -463,7 +487,7 @@ class Engine:
             req.prefilled += k
             if req.prefilled == n:
                 req.session.commit()  # the prompt joins the tree; the fixed prefix is tagged
-                self._emit(req, sample_tokens(logits[None], [req.params], [req.generator])[0])
+                self._emit(req, *self.sampler.sample(logits, [req])[0])
         return did
 
     def _ensure_device_capacity(self) -> None:
@@ -486,12 +510,13 @@ class Engine:
             self.pool.wait_loads()
         logits = self.model.decode_batch(self.pool.device_kv, seqs)
         self.counters["decode_steps"] += 1
-        toks = sample_tokens(logits, [r.params for r in running], [r.generator for r in running])
-        for r, tok in zip(running, toks):
-            self._emit(r, tok)
+        for r, (tok, lp) in zip(running, self.sampler.sample(logits, running)):
+            self._emit(r, tok, lp)
 
-    def _emit(self, req: Request, tok: int) -> None:
+    def _emit(self, req: Request, tok: int, lp: Any = None) -> None:
         req.output_ids.append(tok)
+        if lp is not None:
+            req.logprobs.append(lp)
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         text = req.detok.push(tok)
@@ -503,7 +528,7 @@ class Engine:
         if reason is not None:
             text += req.detok.finish()
         if text or reason is None:
-            self._send(req, StreamEvent(req.rid, text, (tok,)))
+            self._send(req, StreamEvent(req.rid, text, (tok,), logprobs=(lp,) if lp is not None else ()))
         if reason is not None:
             self._finish(req, reason)
 
@@ -555,7 +580,8 @@ class Engine:
             host_hit_tokens=s.host_hit if was_running else 0,
             computed_tokens=len(req.prompt_ids) - s.reused if was_running else 0,
             queue_s=(req.prefill_at or now) - req.arrival, load_wait_s=s.load_wait_s if s else 0.0,
-            ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival, error=error)
+            ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival, error=error,
+            logprobs=list(req.logprobs) if req.params.logprobs else None)
         c = self.counters
         c["finished"] += 1
         c["aborted"] += reason == "abort"

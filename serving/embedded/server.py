@@ -16,8 +16,11 @@ Endpoints:
   completions: :mod:`.worker_api`.
 
 Sampling: ``temperature`` (default 1.0; 0 = greedy), ``top_p``, ``seed``, ``max_tokens`` /
-``max_completion_tokens``, ``stop``; extension ``ignore_eos``. ``n`` must be 1; ``logprobs`` are
-refused; other OpenAI fields (tools, response_format, penalties, user, ...) are accepted and ignored.
+``max_completion_tokens``, ``stop``, ``frequency_penalty`` / ``presence_penalty``, ``logit_bias``,
+``logprobs`` / ``top_logprobs``, ``n`` (up to ``openai_api.MAX_N``); extensions ``ignore_eos``,
+``repetition_penalty``, ``regex``, ``ebnf``. Tool calling: ``tools``, ``tool_choice``,
+``parallel_tool_calls`` (grammar-constrained, see ``grammar.py``); ``response_format``
+(``json_object`` / ``json_schema``). Other OpenAI fields (user, metadata, ...) are ignored.
 
 Invariants:
 - every error is OpenAI-shaped ``{"error": {...}}``; bad JSON / bad params / a prompt over the
@@ -31,6 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -46,9 +50,9 @@ from kvflow_agents.protocol import HEADER_REJECTED, HintError, Hints
 
 from . import metrics_prom, worker_api
 from .engine import Engine, EngineInputError
-from .openai_api import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response,
-                         completion_chunk, completion_response, finish_reason, header_safe, parse,
-                         parse_hints, prompt_kwargs, usage)
+from .openai_api import (APIError, ChatRequest, ChoiceRenderer, CompletionRequest, chat_chunk,
+                         chat_response_n, completion_chunk, completion_response_n, header_safe, parse,
+                         parse_hints, prompt_kwargs, usage_n)
 
 log = logging.getLogger("kvflow.server")
 
@@ -108,32 +112,49 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
             headers[HEADER_REJECTED] = "accepted"
         return hints, headers
 
-    def build(req, kw: dict, hints):
+    def build(req, kw: dict, hints) -> list:
+        """One engine request per choice (``n``); they share the prompt's cached prefix."""
+        params = req.sampling()
+        n = req.n or 1
         try:
-            return engine.make_request(**kw, params=req.sampling(), hints=hints)
+            return [engine.make_request(**kw, params=dataclasses.replace(params, seed=req.choice_seed(i))
+                                        if n > 1 else params, hints=hints) for i in range(n)]
         except EngineInputError as e:
             raise APIError(400, str(e), param=e.param, code=e.code) from None
 
-    async def run(ereq, request: Request, *, chat: bool, stream: bool, include_usage: bool,
-                  headers: dict) -> Response:
+    def renderers(req, chat: bool) -> list:
+        spec = req.grammar_spec()
+        names = None
+        if chat and getattr(req, "tools", None) and req.tool_choice != "none":
+            from .tool_calls import tool_names
+            names = tool_names(req.tools)
+        elif spec is not None and spec.tool_call:
+            names = []
+        return [ChoiceRenderer(chat=chat, tool_names=names, tokenizer=engine.tokenizer,
+                               skip_ids=engine.tokenizer.eos_token_ids) for _ in range(req.n or 1)]
+
+    async def run(ereqs: list, request: Request, *, chat: bool, stream: bool, include_usage: bool,
+                  headers: dict, rends: list) -> Response:
         model = engine.model_name
         if stream:
-            return StreamingResponse(sse(ereq, model, chat, include_usage), media_type="text/event-stream",
+            return StreamingResponse(sse(ereqs, model, chat, include_usage, rends),
+                                     media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache"})
-        comp = await collect(ereq, request)
-        if comp is None:  # client went away
+        comps = await collect(ereqs, request)
+        if comps is None:  # client went away
             return Response(status_code=499)
-        if comp.finish_reason == "error":
-            raise APIError(500, comp.error or "generation failed", type="server_error")
-        body = chat_response(comp, model) if chat else completion_response(comp, model)
+        for comp in comps:
+            if comp.finish_reason == "error":
+                raise APIError(500, comp.error or "generation failed", type="server_error")
+        body = (chat_response_n if chat else completion_response_n)(comps, model, rends)
         return JSONResponse(body, headers=headers)
 
-    async def collect(ereq, request: Request):
-        async def last():
+    async def collect(ereqs: list, request: Request):
+        async def last(ereq):
             async for ev in engine.stream(ereq):
                 if ev.done is not None:
                     return ev.done
-        task = asyncio.ensure_future(last())
+        task = asyncio.ensure_future(asyncio.gather(*(last(r) for r in ereqs)))
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if done:
@@ -142,30 +163,71 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
                 task.cancel()
                 return None
 
-    async def sse(ereq, model: str, chat: bool, include_usage: bool):
+    async def merged(ereqs: list):
+        """``(choice index, event)`` from the streams of all choices, as they come."""
+        if len(ereqs) == 1:
+            async for ev in engine.stream(ereqs[0]):
+                yield 0, ev
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, ereq):
+            try:
+                async for ev in engine.stream(ereq):
+                    await q.put((i, ev))
+            finally:
+                await q.put((i, None))
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(ereqs)]
+        try:
+            left = len(tasks)
+            while left:
+                i, ev = await q.get()
+                if ev is None:
+                    left -= 1
+                    continue
+                yield i, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def sse(ereqs: list, model: str, chat: bool, include_usage: bool, rends: list):
         created = int(time.time())
-        rid = ereq.rid
+        rid = ereqs[0].rid
+        comps: list = [None] * len(ereqs)
 
         def line(obj) -> str:
             return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
         if chat:
-            yield line(chat_chunk(rid, model, created, delta={"role": "assistant", "content": ""}))
-        async for ev in engine.stream(ereq):
-            if ev.text:
-                yield line(chat_chunk(rid, model, created, delta={"content": ev.text}) if chat
-                           else completion_chunk(rid, model, created, text=ev.text))
+            for i in range(len(ereqs)):
+                yield line(chat_chunk(rid, model, created, delta={"role": "assistant", "content": ""}, index=i))
+        async for i, ev in merged(ereqs):
+            r = rends[i]
+            lp = r.logprobs(list(ev.logprobs)) if ev.logprobs else None
+            if chat:
+                deltas = r.deltas(ev.text)
+                for k, d in enumerate(deltas):
+                    yield line(chat_chunk(rid, model, created, delta=d, index=i,
+                                          logprobs=lp if k == len(deltas) - 1 else None))
+                if not deltas and lp is not None:
+                    yield line(chat_chunk(rid, model, created, delta={}, index=i, logprobs=lp))
+            elif ev.text or lp is not None:
+                yield line(completion_chunk(rid, model, created, text=ev.text, index=i, logprobs=lp))
             c = ev.done
             if c is None:
                 continue
             if c.finish_reason == "error":
                 yield line(APIError(500, c.error or "generation failed", type="server_error").body())
                 break
-            fr = finish_reason(c)
-            yield line(chat_chunk(rid, model, created, delta={}, finish=fr) if chat
-                       else completion_chunk(rid, model, created, text="", finish=fr))
-            if include_usage:
-                yield line(chat_chunk(rid, model, created, delta={}, use=usage(c)) if chat
-                           else completion_chunk(rid, model, created, text="", use=usage(c)))
+            comps[i] = c
+            rest, fr = r.final(c)
+            for d in rest:
+                yield line(chat_chunk(rid, model, created, delta=d, index=i))
+            yield line(chat_chunk(rid, model, created, delta={}, finish=fr, index=i) if chat
+                       else completion_chunk(rid, model, created, text="", finish=fr, index=i))
+        if include_usage and all(c is not None for c in comps):
+            u = usage_n(comps)
+            yield line(chat_chunk(rid, model, created, delta={}, use=u) if chat
+                       else completion_chunk(rid, model, created, text="", use=u))
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ OpenAI API
@@ -174,9 +236,9 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
         body = await read_json(request)
         req: ChatRequest = parse(ChatRequest, body)
         hints, headers = hint_headers(body, request)
-        ereq = build(req, {"messages": req.message_dicts()}, hints)
-        return await run(ereq, request, chat=True, stream=bool(req.stream),
-                         include_usage=req.include_usage, headers=headers)
+        ereqs = build(req, {"messages": req.message_dicts(), "tools": req.tools}, hints)
+        return await run(ereqs, request, chat=True, stream=bool(req.stream),
+                         include_usage=req.include_usage, headers=headers, rends=renderers(req, True))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -186,9 +248,9 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
             return hint_only
         req: CompletionRequest = parse(CompletionRequest, body)
         hints, headers = hint_headers(body, request)
-        ereq = build(req, prompt_kwargs(req), hints)
-        return await run(ereq, request, chat=False, stream=bool(req.stream),
-                         include_usage=req.include_usage, headers=headers)
+        ereqs = build(req, prompt_kwargs(req), hints)
+        return await run(ereqs, request, chat=False, stream=bool(req.stream),
+                         include_usage=req.include_usage, headers=headers, rends=renderers(req, False))
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -92,6 +92,7 @@ class RequestSession:
         self._wait_since: float | None = None
         self._tagged = False
         self._counted = False            # hit counters recorded (a re-look after unpin is not)
+        self.written: list[int] = []     # at finish: the tokens it left in the tree (prompt + output)
 
     # ------------------------------------------------------------------ waiting
     @property
@@ -251,6 +252,7 @@ class RequestSession:
         if self.state == "admitted" and self.pages:
             if cache:
                 self._insert(written, seq)
+                self.written = list((self.tokens if seq is None else seq)[:written])
             own = self.pages[self.own_from:]
             if own:
                 store.free(own)

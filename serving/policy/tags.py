@@ -109,9 +109,10 @@ class TagBook:
     # ------------------------------------------------------------------ tagging
     def tag_fixed_prefix(self, tokens: Sequence[int], fixed_len_tokens: int, workflow: str,
                          agent: str, app: str | None = None, *,
-                         locate: Callable[[tuple], Any] | None = None):
+                         locate: Callable[[tuple], Any] | None = None, remember: bool = True):
         """Tag the node where ``agent``'s fixed prefix ends (page-aligned down); returns it, or
-        None when that prefix is not (fully) cached. Cheap when unchanged: call it per request."""
+        None when that prefix is not (fully) cached. Cheap when unchanged: call it per request.
+        ``remember=False``: not an app-wide prefix (a tool gap's resume tag, :mod:`.toolgap`)."""
         wf = workflow_key(workflow, app)
         tag = (wf, agent)
         b = max(0, min(int(fixed_len_tokens), len(tokens))) // self.page_size * self.page_size
@@ -131,7 +132,7 @@ class TagBook:
         self.refresh(tag)
         if b == 0:
             return None
-        if app:
+        if app and remember:
             self._remember_app_prefix(app, agent, prefix)
         locate = locate or self.locate
         node = locate(prefix) if locate is not None else None

@@ -297,7 +297,7 @@ def test_peer_bench_wiring_against_a_recording_server(tmp_path):
     w = doc["policies"]["external"]["workload"]
     assert w["instrumented"] is True and w["workflow_rounds"] == 1 and w["errors"] == 0
     assert w["calls_per_agent"] == {"planner": 1, "executor": 3, "expresser": 1, "reviewer": 1}
-    assert {q.hints["kvflow_agent"] for q in reqs} == {"planner", "executor", "expresser", "reviewer"}
+    assert {q.hints["kvflow_agent"] for q in reqs} == {"planner", "executor/agent", "expresser", "reviewer"}
     assert doc["targets"] == []  # an external server is not judged against the targets
 
 
