@@ -12,7 +12,10 @@ Public API (thread-safe): ``Engine(config=None, *, loaded=None, **EngineConfig f
 ``submit(req)`` / ``abort(rid)`` (sink-based); ``update_hints(Hints)`` (out-of-band, incl.
 ``event="end"``); ``cache_report()`` (what ``/kvflow/v1/cache`` shows); ``stats()`` (non-blocking
 snapshot for metrics); ``call(fn)`` (run ``fn(engine)`` on the engine thread); ``shutdown()``.
-Sampling keywords: ``max_tokens, temperature, top_p, stop, seed, ignore_eos``.
+Sampling keywords: ``max_tokens, temperature, top_p, stop, seed, ignore_eos``, penalties,
+``logit_bias``, ``logprobs``/``top_logprobs``, ``grammar`` (a ``grammar.GrammarSpec``: JSON schema,
+tool-call structural tag...); ``chat(..., tools=[...])`` renders OpenAI tools into the prompt.
+Logits go through ``sampling.BatchSampler`` (one call per prefill/decode step).
 
 It owns the model, the tokenizer, the paged KV pools (:class:`~.kv_pool.PagedKVPool`, which is
 the policy core's ``KVTransferBackend``) and a :class:`~kvflow_agents.serving.policy.KVCacheManager`.
@@ -31,8 +34,8 @@ Failure isolation (one request never fails another):
   bounded probe before it is fully tokenized), on the caller's thread, before submission;
 - inside a step, work on one request (poll, readiness, admission, prefill, sampling) runs under
   :meth:`_guard`: an exception fails that request alone (finish reason ``error``, pages and pins
-  released); a batched decode that raises is retried one sequence at a time, so only the
-  sequence that fails is failed; the engine thread catches everything else and keeps serving.
+  released); a batched decode or sampling call that raises is retried one sequence at a time,
+  so only the sequence that fails is failed; the engine thread catches everything else.
 
 Tenants: ``make_request(tenant=)`` / ``update_hints(hints, tenant)`` make the tenant the hints'
 *client* in the policy core; with ``client_cap="fair"`` each active tenant's hints protect at most
@@ -80,14 +83,32 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from kvflow_agents.serving.policy import CacheFullError
 
-from .engine_config import (EngineConfig, EngineInputError, client_cap_pages, params_from_kwargs,
-                            sample_token)
+from .engine_config import EngineConfig, EngineInputError, client_cap_pages, params_from_kwargs
 from .scheduler import (Completion, Request, RequestState, SamplingParams, Scheduler,
                         StreamEvent)
 
 __all__ = ["Engine", "EngineConfig", "EngineInputError", "Completion", "StreamEvent", "SamplingParams"]
 
 log = logging.getLogger("kvflow.engine")
+
+
+class _LoopSink:
+    """The sink of a request streamed to an asyncio loop (:meth:`Engine.stream`); the engine
+    batches its events per loop and step instead of calling it."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop, q) -> None:
+        self.loop, self.queue = loop, q
+
+    def __call__(self, ev) -> None:  # direct use (outside the engine thread's batching)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+
+
+def _deliver(items) -> None:
+    """On the event loop: put a step's events on their requests' queues, in order."""
+    for q, ev in items:
+        q.put_nowait(ev)
 
 
 class Engine:
@@ -137,6 +158,10 @@ class Engine:
         self._tenanted = False
         if isinstance(cap, int):
             self.manager.set_client_cap(cap)
+        from .grammar import GrammarBackend
+        from .sampling import BatchSampler
+        self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
+        self.sampler = BatchSampler(self.grammar)
         self._cuda = torch.device(cfg.device).type == "cuda"
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
@@ -147,6 +172,7 @@ class Engine:
                          "hints_rejected": 0, "hints_accepted": 0, "steps": 0, "decode_steps": 0,
                          "step_failures": 0}
         self._snapshot: dict = {}
+        self._outbox: dict = {}            # event loop -> [(queue, event)] of this step
         self._published = 0.0
         self.recorder = None
         if cfg.record_path:
@@ -192,7 +218,7 @@ class Engine:
                      prompt_ids: Optional[Sequence[int]] = None, params: Optional[SamplingParams] = None,
                      max_tokens: Optional[int] = None, hints: Any = None,
                      sink: Optional[Callable[[StreamEvent], None]] = None,
-                     tenant: Optional[str] = None) -> Request:
+                     tools: Optional[Sequence[dict]] = None, tenant: Optional[str] = None) -> Request:
         """Tokenize and validate (any thread; the server calls it off its event loop), so a
         request the engine would fail on is refused here, before it can share a step with
         others. Raises :class:`EngineInputError`. ``tenant``: whose request it is (the client
@@ -211,11 +237,12 @@ class Engine:
         fixed_len = None
         if messages is not None:
             try:
-                ids = self.tokenizer.encode_chat(list(messages))
+                ids = self.tokenizer.encode_chat(list(messages), tools=tools)
             except Exception as e:  # a template that rejects the conversation
                 raise EngineInputError(f"messages: cannot apply the chat template: {e}", "messages") from None
             if hints is not None and getattr(hints, "fixed_messages", None) is not None:
-                fixed_len = self.tokenizer.fixed_prefix_tokens(list(messages), hints.fixed_messages, ids)
+                fixed_len = self.tokenizer.fixed_prefix_tokens(list(messages), hints.fixed_messages, ids,
+                                                               tools=tools)
         elif prompt is not None:
             ids = self.tokenizer.encode(prompt)
         elif prompt_ids is not None:
@@ -245,8 +272,9 @@ class Engine:
             raise EngineInputError(f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the capacity of "
                                    f"{int(limit)} tokens; lower max_tokens or raise --device-tokens",
                                    "max_tokens", "context_length_exceeded")
+        grammar = self._compile_grammar(params)
         return Request(ids, params, sink or (lambda ev: None), hints=hints, fixed_len=fixed_len,
-                       tenant=tenant)
+                       grammar=grammar, tenant=tenant)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -304,6 +332,19 @@ class Engine:
             if window <= 0:
                 return
 
+    def _compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled constraint of ``params.grammar`` (cached by xgrammar), or None."""
+        from .grammar import GrammarError
+
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise EngineInputError(f"logit_bias: token ids must be < {self.model_config.vocab_size}", "logit_bias")
+        if params.grammar is None:
+            return None
+        try:
+            return self.grammar.compile(params.grammar)
+        except GrammarError as e:
+            raise EngineInputError(str(e), e.param) from None
+
     # ================================================================ thread-safe API
     def submit(self, req: Request) -> str:
         with self._lock:
@@ -348,9 +389,9 @@ class Engine:
         return self._blocking(kw, hints, timeout, sampling)
 
     def chat(self, messages: Sequence[dict], *, hints: Any = None, timeout: Optional[float] = None,
-             **sampling) -> Completion:
-        """Blocking chat completion (the model's chat template is applied)."""
-        return self._blocking({"messages": messages}, hints, timeout, sampling)
+             tools: Optional[Sequence[dict]] = None, **sampling) -> Completion:
+        """Blocking chat completion (the model's chat template is applied, with ``tools``)."""
+        return self._blocking({"messages": messages, "tools": tools}, hints, timeout, sampling)
 
     def _blocking(self, kw: dict, hints, timeout, sampling: dict) -> Completion:
         done = threading.Event()
@@ -372,7 +413,7 @@ class Engine:
         events. Leaving the iteration early (client gone) aborts the request and frees its pages."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        req.sink = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+        req.sink = _LoopSink(loop, q)  # batched: one hand-off per loop per engine step
         self.submit(req)
         finished = False
         try:
@@ -421,11 +462,13 @@ class Engine:
                             self._fail(r, "engine step", None)
                         failed_steps = 0
                 try:
+                    self._flush_outbox()
                     self._publish(force=not progress)
-                except Exception:  # noqa: BLE001 - metrics are diagnostics
-                    log.exception("publishing engine stats failed")
+                except Exception:  # noqa: BLE001 - delivery and metrics must not stop the engine
+                    log.exception("publishing engine events or stats failed")
         for r in list(self._requests.values()):
             self._finish(r, "abort", error="engine shut down")
+        self._flush_outbox()
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -440,11 +483,12 @@ class Engine:
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
+                self._flush_outbox()  # e.g. an abort's final event
                 return
 
     def _idle_timeout(self) -> float:
         """How long to sleep when nothing could run: until the next load lands (or 0.5 s)."""
-        nxt = self.manager.next_load_at
+        nxt = self.manager.next_event_at  # loads landing, tool-gap plans moving
         nxt = nxt() if callable(nxt) else nxt
         t = 0.5
         if nxt is not None:  # demand loads and prefetches alike
@@ -618,7 +662,7 @@ class Engine:
         req.prefilled += k
         if req.prefilled == n:
             req.session.commit()  # the prompt joins the tree; the fixed prefix is tagged
-            self._emit(req, sample_token(logits, req.params, req.generator))
+            self._emit(req, *self.sampler.sample(logits, [req])[0])
 
     def _ensure_device_capacity(self) -> None:
         """The oracle's page allocator grows; grow the device tensor to match."""
@@ -640,16 +684,13 @@ class Engine:
             self.pool.wait_loads()
         self.counters["decode_steps"] += 1
         try:
-            logits = self._decode_logits(seqs)
+            picks = self.sampler.sample(self._decode_logits(seqs), running)
         except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
             log.exception("batched decode failed; retrying its %d sequences one by one", len(seqs))
-            logits = []
-            for r, sq in zip(running, seqs):
-                row = self._guard(r, "decode", self._decode_logits, [sq])
-                logits.append(None if row is None else row[0])
-        for r, row in zip(running, logits):
-            if row is not None and r.state is RequestState.RUNNING:
-                self._guard(r, "sampling", self._sample_emit, r, row)
+            picks = [self._guard(r, "decode", self._decode_one, r, sq) for r, sq in zip(running, seqs)]
+        for r, pick in zip(running, picks):
+            if pick is not None and r.state is RequestState.RUNNING:
+                self._guard(r, "sampling", self._emit, r, *pick)
 
     def _decode_logits(self, seqs: list):
         """One decode step for ``seqs`` (each writes only its own KV slot, so re-running a
@@ -657,11 +698,13 @@ class Engine:
         rows = self.config.max_batch if self.config.deterministic else None
         return self.model.decode_batch(self.pool.device_kv, seqs, invariant_rows=rows)
 
-    def _sample_emit(self, req: Request, logits) -> None:
-        self._emit(req, sample_token(logits, req.params, req.generator))
+    def _decode_one(self, req: Request, seq) -> tuple:
+        return self.sampler.sample(self._decode_logits([seq]), [req])[0]
 
-    def _emit(self, req: Request, tok: int) -> None:
+    def _emit(self, req: Request, tok: int, lp: Any = None) -> None:
         req.output_ids.append(tok)
+        if lp is not None:
+            req.logprobs.append(lp)
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         text = req.detok.push(tok)
@@ -673,15 +716,32 @@ class Engine:
         if reason is not None:
             text += req.detok.finish()
         if text or reason is None:
-            self._send(req, StreamEvent(req.rid, text, (tok,)))
+            self._send(req, StreamEvent(req.rid, text, (tok,), logprobs=(lp,) if lp is not None else ()))
         if reason is not None:
             self._finish(req, reason)
 
     def _send(self, req: Request, ev: StreamEvent) -> None:
+        sink = req.sink
+        if type(sink) is _LoopSink:  # collected; _flush_outbox hands them over once per step
+            self._outbox.setdefault(sink.loop, []).append((sink.queue, ev))
+            return
         try:
-            req.sink(ev)
+            sink(ev)
         except Exception:  # e.g. the client's event loop is gone
             log.debug("sink of %s failed", req.rid, exc_info=True)
+
+    def _flush_outbox(self) -> None:
+        """One ``call_soon_threadsafe`` per event loop for everything this step produced (a
+        per-token hand-off wakes the loop, and takes the GIL from this thread, once per token
+        per request)."""
+        if not self._outbox:
+            return
+        box, self._outbox = self._outbox, {}
+        for loop, items in box.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: its clients are gone
+                log.debug("event loop closed; %d stream events dropped", len(items))
 
     def _abort(self, rid: str) -> None:
         req = self._requests.get(rid)
@@ -710,7 +770,8 @@ class Engine:
             host_hit_tokens=s.host_hit if was_running else 0,
             computed_tokens=len(req.prompt_ids) - s.reused if was_running else 0,
             queue_s=(req.prefill_at or now) - req.arrival, load_wait_s=s.load_wait_s if s else 0.0,
-            ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival, error=error)
+            ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival, error=error,
+            logprobs=list(req.logprobs) if req.params.logprobs else None)
         c = self.counters
         c["finished"] += 1
         c["aborted"] += reason == "abort"

@@ -95,6 +95,26 @@ def client_cap_pages(cfg: EngineConfig, device_pages: int) -> Union[str, int, No
     return max(1, v // cfg.page_size)
 
 
+def sample_tokens(logits, params, generators) -> list[int]:
+    """One token per row of ``logits`` ``[B, vocab]``: the engine's one sampling call per step.
+    Greedy rows (``temperature == 0``) share a single ``argmax``; the others go through
+    :func:`sample_token` with their own generator."""
+    import torch
+
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    out: list[int] = [0] * len(params)
+    if len(greedy) == len(params):
+        return torch.argmax(logits, -1).tolist()
+    if greedy:
+        idx = torch.as_tensor(greedy, dtype=torch.long, device=logits.device)
+        for i, tok in zip(greedy, torch.argmax(logits.index_select(0, idx), -1).tolist()):
+            out[i] = tok
+    for i, p in enumerate(params):
+        if p.temperature != 0:
+            out[i] = sample_token(logits[i], p, generators[i])
+    return out
+
+
 def sample_token(logits, params: SamplingParams, generator) -> int:
     """Greedy when ``temperature == 0``; else temperature + nucleus (top-p) sampling."""
     import torch

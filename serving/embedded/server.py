@@ -18,8 +18,11 @@ Endpoints:
   completions: :mod:`.worker_api`.
 
 Sampling: ``temperature`` (default 1.0; 0 = greedy), ``top_p``, ``seed``, ``max_tokens`` /
-``max_completion_tokens``, ``stop``; extension ``ignore_eos``. ``n`` must be 1; ``logprobs`` are
-refused; other OpenAI fields (tools, response_format, penalties, user, ...) are accepted and ignored.
+``max_completion_tokens``, ``stop``, ``frequency_penalty`` / ``presence_penalty``, ``logit_bias``,
+``logprobs`` / ``top_logprobs``, ``n`` (up to ``openai_api.MAX_N``); extensions ``ignore_eos``,
+``repetition_penalty``, ``regex``, ``ebnf``. Tool calling: ``tools``, ``tool_choice``,
+``parallel_tool_calls`` (grammar-constrained, see ``grammar.py``); ``response_format``
+(``json_object`` / ``json_schema``). Other OpenAI fields (user, metadata, ...) are ignored.
 
 Invariants:
 - every error is OpenAI-shaped ``{"error": {...}}``: bad JSON / types / params, a prompt over
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import logging
@@ -56,9 +60,9 @@ from kvflow_agents.protocol import HEADER_REJECTED, HintError, Hints
 from . import metrics_prom, worker_api
 from .engine import Engine, EngineInputError
 from .limits import BodyError, LimitsMiddleware, ServerLimits, json_bytes, parse_json_body
-from .openai_api import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response,
-                         completion_chunk, completion_response, finish_reason, header_safe, parse,
-                         parse_hints, prompt_kwargs, usage)
+from .openai_api import (APIError, ChatRequest, ChoiceRenderer, CompletionRequest, chat_chunk,
+                         chat_response_n, completion_chunk, completion_response_n, header_safe, parse,
+                         parse_hints, prompt_kwargs, usage_n)
 from ..tenancy import Tenancy, TenantError, scope_hints
 
 log = logging.getLogger("kvflow.server")
@@ -166,33 +170,54 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
             headers[HEADER_REJECTED] = "accepted"
         return scope_hints(hints, tenant_of(request)), headers
 
-    async def build(req, kw: dict, hints, request: Request):
+    async def build(req, kw: dict, hints, request: Request) -> list:
+        """One engine request per choice (``n``); they share the prompt's cached prefix.
+        Tokenized off the event loop (``off_loop``)."""
+        params = req.sampling()
+        n = req.n or 1
+        tenant = tenant_of(request)
+
+        def make() -> list:
+            return [engine.make_request(**kw, params=dataclasses.replace(params, seed=req.choice_seed(i))
+                                        if n > 1 else params, hints=hints, tenant=tenant) for i in range(n)]
         try:
-            return await off_loop(getattr(request.state, "big", False), engine.make_request, **kw,
-                                  params=req.sampling(), hints=hints, tenant=tenant_of(request))
+            return await off_loop(getattr(request.state, "big", False), make)
         except EngineInputError as e:
             raise APIError(400, str(e), param=e.param, code=e.code) from None
 
-    async def run(ereq, request: Request, *, chat: bool, stream: bool, include_usage: bool,
-                  headers: dict) -> Response:
+    def renderers(req, chat: bool) -> list:
+        spec = req.grammar_spec()
+        names = None
+        if chat and getattr(req, "tools", None) and req.tool_choice != "none":
+            from .tool_calls import tool_names
+            names = tool_names(req.tools)
+        elif spec is not None and spec.tool_call:
+            names = []
+        return [ChoiceRenderer(chat=chat, tool_names=names, tokenizer=engine.tokenizer,
+                               skip_ids=engine.tokenizer.eos_token_ids) for _ in range(req.n or 1)]
+
+    async def run(ereqs: list, request: Request, *, chat: bool, stream: bool, include_usage: bool,
+                  headers: dict, rends: list) -> Response:
         model = engine.model_name
         if stream:
-            return StreamingResponse(sse(ereq, model, chat, include_usage), media_type="text/event-stream",
+            return StreamingResponse(sse(ereqs, model, chat, include_usage, rends),
+                                     media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache"})
-        comp = await collect(ereq, request)
-        if comp is None:  # client went away
+        comps = await collect(ereqs, request)
+        if comps is None:  # client went away
             return Response(status_code=499)
-        if comp.finish_reason == "error":
-            raise APIError(500, comp.error or "generation failed", type="server_error")
-        body = chat_response(comp, model) if chat else completion_response(comp, model)
+        for comp in comps:
+            if comp.finish_reason == "error":
+                raise APIError(500, comp.error or "generation failed", type="server_error")
+        body = (chat_response_n if chat else completion_response_n)(comps, model, rends)
         return SafeJSONResponse(body, headers=headers)
 
-    async def collect(ereq, request: Request):
-        async def last():
+    async def collect(ereqs: list, request: Request):
+        async def last(ereq):
             async for ev in engine.stream(ereq):
                 if ev.done is not None:
                     return ev.done
-        task = asyncio.ensure_future(last())
+        task = asyncio.ensure_future(asyncio.gather(*(last(r) for r in ereqs)))
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if done:
@@ -201,35 +226,80 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
                 task.cancel()
                 return None
 
-    async def sse(ereq, model: str, chat: bool, include_usage: bool):
+    async def merged(ereqs: list):
+        """``(choice index, event)`` from the streams of all choices, as they come."""
+        if len(ereqs) == 1:
+            async for ev in engine.stream(ereqs[0]):
+                yield 0, ev
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, ereq):
+            try:
+                async for ev in engine.stream(ereq):
+                    await q.put((i, ev))
+            finally:
+                await q.put((i, None))
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(ereqs)]
+        try:
+            left = len(tasks)
+            while left:
+                i, ev = await q.get()
+                if ev is None:
+                    left -= 1
+                    continue
+                yield i, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def sse(ereqs: list, model: str, chat: bool, include_usage: bool, rends: list):
         created = int(time.time())
-        rid = ereq.rid
+        rid = ereqs[0].rid
+        comps: list = [None] * len(ereqs)
 
         def line(obj) -> str:
             return "data: " + json.dumps(obj, ensure_ascii=True) + "\n\n"
         try:
-            if chat:
-                yield line(chat_chunk(rid, model, created, delta={"role": "assistant", "content": ""}))
-            async for ev in engine.stream(ereq):
-                if ev.text:
-                    yield line(chat_chunk(rid, model, created, delta={"content": ev.text}) if chat
-                               else completion_chunk(rid, model, created, text=ev.text))
-                c = ev.done
-                if c is None:
-                    continue
-                if c.finish_reason == "error":
-                    yield line(APIError(500, c.error or "generation failed", type="server_error").body())
-                    break
-                fr = finish_reason(c)
-                yield line(chat_chunk(rid, model, created, delta={}, finish=fr) if chat
-                           else completion_chunk(rid, model, created, text="", finish=fr))
-                if include_usage:
-                    yield line(chat_chunk(rid, model, created, delta={}, use=usage(c)) if chat
-                               else completion_chunk(rid, model, created, text="", use=usage(c)))
+            async for chunk in _events(ereqs, model, chat, include_usage, rends, rid, created, comps, line):
+                yield chunk
         except Exception:  # noqa: BLE001 - the stream has started: end it with an error event
             log.exception("stream %s failed", rid)
             yield line(APIError(500, "internal server error", type="server_error").body())
         yield "data: [DONE]\n\n"
+
+    async def _events(ereqs, model, chat, include_usage, rends, rid, created, comps, line):
+        if chat:
+            for i in range(len(ereqs)):
+                yield line(chat_chunk(rid, model, created, delta={"role": "assistant", "content": ""}, index=i))
+        async for i, ev in merged(ereqs):
+            r = rends[i]
+            lp = r.logprobs(list(ev.logprobs)) if ev.logprobs else None
+            if chat:
+                deltas = r.deltas(ev.text)
+                for k, d in enumerate(deltas):
+                    yield line(chat_chunk(rid, model, created, delta=d, index=i,
+                                          logprobs=lp if k == len(deltas) - 1 else None))
+                if not deltas and lp is not None:
+                    yield line(chat_chunk(rid, model, created, delta={}, index=i, logprobs=lp))
+            elif ev.text or lp is not None:
+                yield line(completion_chunk(rid, model, created, text=ev.text, index=i, logprobs=lp))
+            c = ev.done
+            if c is None:
+                continue
+            if c.finish_reason == "error":
+                yield line(APIError(500, c.error or "generation failed", type="server_error").body())
+                break
+            comps[i] = c
+            rest, fr = r.final(c)
+            for d in rest:
+                yield line(chat_chunk(rid, model, created, delta=d, index=i))
+            yield line(chat_chunk(rid, model, created, delta={}, finish=fr, index=i) if chat
+                       else completion_chunk(rid, model, created, text="", finish=fr, index=i))
+        if include_usage and all(c is not None for c in comps):
+            u = usage_n(comps)
+            yield line(chat_chunk(rid, model, created, delta={}, use=u) if chat
+                       else completion_chunk(rid, model, created, text="", use=u))
 
     # ------------------------------------------------------------------ OpenAI API
     async def completion(request: Request, model_cls, chat: bool) -> Response:
@@ -243,10 +313,10 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
         req = await off_loop(True, parse, model_cls, body) if big else parse(model_cls, body)
         check_model(req)
         hints, headers = hint_headers(body, request)
-        kw = {"messages": req.message_dicts()} if chat else prompt_kwargs(req)
-        ereq = await build(req, kw, hints, request)
-        return await run(ereq, request, chat=chat, stream=bool(req.stream),
-                         include_usage=req.include_usage, headers=headers)
+        kw = {"messages": req.message_dicts(), "tools": req.tools} if chat else prompt_kwargs(req)
+        ereqs = await build(req, kw, hints, request)
+        return await run(ereqs, request, chat=chat, stream=bool(req.stream),
+                         include_usage=req.include_usage, headers=headers, rends=renderers(req, chat))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -16,6 +16,12 @@
   carry a subset).
 - Step time: when a workflow's ``step`` advances, the elapsed time per step feeds an EMA; the
   prefetch planner turns STE into seconds with it.
+- Trust: hints are advisory, and a wrong one must not make the cache worse than none. Each
+  request (a hint naming its ``agent``) checks the workflow's previous map: did it predict this
+  agent next (its STE was at most the smallest positive STE there)? Hits and misses feed an
+  EMA (``trust_ema``, starting at 1: a new workflow is trusted). Below ``distrust_below`` the
+  workflow's hints count as absent (every agent +inf: LRU order, no prefetch), until the
+  score climbs back above ``trust_above`` (hysteresis). Its predictions keep being scored.
 - Clients (tenants) are counted over live workflows (:meth:`active_clients`), for fair shares.
 
 Cost: every operation is O(agents in the hint) or amortised O(1) per workflow; :meth:`expire`
@@ -58,16 +64,22 @@ class WorkflowHints:
     step: int | None = None
     step_at: float | None = None
     step_s: float | None = None       # EMA of seconds per step, None until measured
+    trust: float = 1.0                # EMA of "the previous map predicted this agent next"
+    trusted: bool = True
+    scored: int = 0                   # predictions scored
+    missed: int = 0
 
 
 class HintRegistry:
     """STE per (workflow, agent) with leases and bounds; who is a client (for per-client caps)."""
 
-    def __init__(self, *, lease_s: float = 60.0, step_ema: float = 0.3,
+    def __init__(self, *, lease_s: float = 60.0, step_ema: float = 0.3, trust_ema: float = 0.25,
+                 distrust_below: float = 0.5, trust_above: float = 0.7,
                  forget_after_s: float | None = None, max_workflows: int = 10_000,
                  max_agents_per_workflow: int = 1024, max_agents: int = 262_144) -> None:
         self.lease_s = lease_s
         self.step_ema = step_ema
+        self.trust_ema, self.distrust_below, self.trust_above = trust_ema, distrust_below, trust_above
         self.forget_after_s = forget_after_s
         self.max_workflows = max_workflows
         self.max_agents_per_workflow = max_agents_per_workflow
@@ -94,10 +106,32 @@ class HintRegistry:
             setattr(self, k, v)
 
     # ---------------------------------------------------------------- updates
+    def _score(self, w: WorkflowHints, agent: str) -> bool:
+        """Score the previous map's prediction of ``agent``; True when ``w.trusted`` flipped."""
+        prev = w.ste
+        if not prev:
+            return False
+        nearest = min((v for v in prev.values() if 0 < v < INF), default=None)
+        if nearest is None:
+            return False  # the map named no future agent (only running ones): nothing to score
+        hit = prev.get(agent, INF) <= nearest
+        w.scored += 1
+        w.missed += not hit
+        w.trust = (1 - self.trust_ema) * w.trust + self.trust_ema * (1.0 if hit else 0.0)
+        if w.trusted and w.trust < self.distrust_below:
+            w.trusted = False
+            return True
+        if not w.trusted and w.trust > self.trust_above:
+            w.trusted = True
+            return True
+        return False
+
     def update(self, wf: str, ste: dict, *, now: float, step: int | None = None,
-               client: str | None = None) -> tuple[dict[str, float], bool]:
+               client: str | None = None, agent: str | None = None) -> tuple[dict[str, float], bool]:
         """Merge a hint. Returns ({agent: new raw STE} for agents whose value changed,
-        whether the workflow was expired before (then every agent's effective value changed))."""
+        whether every agent's effective value changed: the workflow was expired before, or its
+        trust flipped). ``agent``: the agent sending the request (scores the previous map);
+        while a workflow is distrusted, nothing is reported as changed (all count as +inf)."""
         w = self.workflows.get(wf)
         if w is None:
             self._make_room(wf)
@@ -112,7 +146,8 @@ class HintRegistry:
                 self._uncount(w.client)
                 self._client_live[client] += 1
         self._live[wf] = None
-        revived = w.expired
+        flipped = self._score(w, agent) if agent is not None else False
+        revived = w.expired or flipped
         w.expired, w.expired_at = False, None
         w.last_hint = now
         if client:
@@ -120,20 +155,20 @@ class HintRegistry:
         changed = {}
         cur = w.ste
         before = len(cur)
-        for agent, value in ste.items():
+        for a, value in ste.items():
             v = value if type(value) is int and value >= 0 else as_ste(value)
-            if cur.get(agent, INF) != v or agent not in cur:
-                changed[agent] = v
-            cur[agent] = v
+            if cur.get(a, INF) != v or a not in cur:
+                changed[a] = v
+            cur[a] = v
         self.num_agents += len(cur) - before
         if len(cur) > self.max_agents_per_workflow:
-            for agent in self._trim_agents(w, ste):
-                changed[agent] = INF
+            for a in self._trim_agents(w, ste):
+                changed[a] = INF
         if step is not None:
             self._observe_step(w, int(step), now)
         if self.num_agents > self.max_agents:
             self._make_room(wf, agents_only=True)
-        return changed, revived
+        return (changed if w.trusted else {}), revived
 
     def _trim_agents(self, w: WorkflowHints, keep) -> list[str]:
         """Drop agents beyond the per-workflow cap (not those in ``keep``): +inf, then farthest."""
@@ -169,9 +204,13 @@ class HintRegistry:
     def ste(self, wf: str, agent: str) -> float:
         """Effective STE (inf if unknown or the lease expired at the last :meth:`expire`)."""
         w = self.workflows.get(wf)
-        if w is None or w.expired:
+        if w is None or w.expired or not w.trusted:
             return INF
         return w.ste.get(agent, INF)
+
+    def trusted(self, wf: str) -> bool:
+        w = self.workflows.get(wf)
+        return w is None or w.trusted
 
     def step_seconds(self, wf: str, default: float) -> float:
         w = self.workflows.get(wf)

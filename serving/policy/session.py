@@ -92,6 +92,7 @@ class RequestSession:
         self._wait_since: float | None = None
         self._tagged = False
         self._counted = False            # hit counters recorded (a re-look after unpin is not)
+        self.written: list[int] = []     # at finish: the tokens it left in the tree (prompt + output)
 
     # ------------------------------------------------------------------ waiting
     @property
@@ -233,6 +234,15 @@ class RequestSession:
                 b = self.fixed_len
                 if b is None:
                     b = book.infer_boundary(h.workflow, h.agent, self.tokens, app=h.app)
+                else:
+                    # Sub-page boundary: tags are page-aligned, so the page holding the end of
+                    # the fixed prompt (and a chat template's constant header of the next
+                    # message) would stay untagged, go first and be recomputed every call.
+                    # Once the agent's recent prompts agree through that page, tag it too.
+                    ps = book.page_size
+                    up = -(-b // ps) * ps
+                    if up > b and book.infer_boundary(h.workflow, h.agent, self.tokens, app=h.app) >= up:
+                        b = up
                 if self.fixed_len is not None or b > 0:
                     book.tag_fixed_prefix(self.tokens, b, h.workflow, h.agent, app=h.app)
 
@@ -245,6 +255,7 @@ class RequestSession:
         if self.state == "admitted" and self.pages:
             if cache:
                 self._insert(written, seq)
+                self.written = list((self.tokens if seq is None else seq)[:written])
             own = self.pages[self.own_from:]
             if own:
                 store.free(own)

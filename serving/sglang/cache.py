@@ -150,6 +150,8 @@ class _SGLangTarget:
     """The :class:`~kvflow_agents.serving.policy.PrefetchTarget` over SGLang's tree."""
 
     evicts = True
+    partial_prefetch = False  # SGLang's load_back loads a node's whole host-only path
+    state_ver = None          # SGLang's tree keeps no change counter: plan on every tick
 
     def __init__(self, cache: "KVFlowRadixCache") -> None:
         self.cache = cache

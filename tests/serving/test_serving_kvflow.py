@@ -164,7 +164,8 @@ def test_fixed_prefix_inferred_without_fixed_messages(serve):
         assert agents[0]["agent"] == "A" and agents[0]["tokens"] >= 176 and agents[0]["residency"] == "device"
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+_json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70)  # JSON has no inf/NaN
+                     | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
                      lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
                      max_leaves=6)
 _keys = st.sampled_from(["kvflow_v", "kvflow_workflow", "kvflow_agent", "kvflow_step", "kvflow_ste",
