@@ -177,7 +177,7 @@ class LimitsMiddleware:
             body = await self._read_body(scope, receive, guarded_send)
             if body is None:
                 return
-            receive = _replay(body, receive)
+            receive = replay_body(body, receive)
         try:
             await self.app(scope, receive, guarded_send)
         except Exception:  # noqa: BLE001 - the app's own handlers missed it
@@ -222,7 +222,9 @@ class LimitsMiddleware:
                 return b"".join(chunks)
 
 
-def _replay(body: bytes, receive):
+def replay_body(body: bytes, receive):
+    """An ASGI ``receive`` that first returns ``body`` whole (read already), then defers to
+    ``receive`` (disconnect detection)."""
     sent = False
 
     async def replay():

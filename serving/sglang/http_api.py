@@ -330,15 +330,8 @@ class HintIntake:
         if new_body is not body:
             scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
                      + [(b"content-length", str(len(new_body)).encode())]}
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": new_body, "more_body": False}
-            return await receive()
-        await self.app(scope, replay, send)
+        from kvflow_agents.serving.embedded.limits import replay_body
+        await self.app(scope, replay_body(new_body, receive), send)
 
 
 def before_launch_server(*args, **kwargs):
