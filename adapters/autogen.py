@@ -56,6 +56,7 @@ from typing import Any, Optional
 
 from kvflow_agents.context import register_hint_provider
 from kvflow_agents.graph import INF, START, AgentStepGraph, next_agents
+from kvflow_agents.graph import learned as _learned
 from kvflow_agents.graph.learned import (
     LearnedTracker,
     TraceRecorder,
@@ -74,12 +75,10 @@ __all__ = ["instrument", "AutoGenInstrumentation", "instrumentation", "compile_t
 
 _OWN_KWARGS = ("app_id", "model", "learn", "recorder", "hints_url", "autopatch")
 
-_default_model = TransitionModel()
-
-
 def default_model() -> TransitionModel:
-    """The transition model instrumentations share unless given ``model=``."""
-    return _default_model
+    """The transition model instrumentations share unless given ``model=`` (one per process,
+    shared with the LangGraph adapter; persisted in ``$KVFLOW_TRANSITIONS`` when set)."""
+    return _learned.default_model()
 
 
 class _Scope:
@@ -117,7 +116,7 @@ class AutoGenInstrumentation:
         self.team = team
         self.graph, self.spec = compile_team(team, name=app_id)
         self.app = app_id or self.graph.name
-        self.model = model if model is not None else _default_model
+        self.model = model if model is not None else default_model()
         self.recorder = recorder
         self.tracker = LearnedTracker(self.graph, self.model, app=self.app, workflow_id=self.workflow_id,
                                       learn=learn, recorder=recorder)
@@ -172,6 +171,8 @@ class AutoGenInstrumentation:
                 if local == "output_topic" and spec is self.spec:
                     last = self.tracker.steps[-1][-1] if self.tracker.steps else self.app
                     self.tracker.end()
+                    if self.tracker.learn:
+                        self.model.flush()  # persisted when bound to a file
                     self._run_active = False
                     self._report(last, "end")
 

@@ -30,8 +30,27 @@ What happens:
   ``prompt_cache_breakpoint``), see :mod:`kvflow_agents.fixed_prefix`.
 * **Tool nodes** — ``add_node(..., metadata={"kvflow": {"llm": False}})``, a prebuilt
   ``ToolNode``, or ``instrument(graph, tool_nodes=[...])``: they take a step, send no request.
+  A tool node that hands off (``Command(goto=..., graph=Command.PARENT)``, as the handoff tools
+  of langgraph-supervisor and langgraph-swarm) finishes its step when it raises the command.
+* **Prebuilt multi-agent apps** — ``create_react_agent``, ``create_supervisor`` (workers are
+  inlined: ``math_expert/agent``, ``math_expert/tools``) and ``create_swarm`` read as any graph
+  (:mod:`.langgraph_asg`: handoff tools are the conditional edges).
+* **Learned transitions** — each workflow's tracker is a
+  :class:`~kvflow_agents.graph.learned.LearnedTracker`: where an LLM picks the next agent (a
+  supervisor's routing, a swarm hand-off, a ReAct agent calling a tool or answering), the hints
+  carry the *expected* STE from transition counts learned per app (``app_id``), never below the
+  exact one. ``model=`` a :class:`~kvflow_agents.graph.learned.TransitionModel` (default: one
+  per process, shared with the AutoGen adapter), ``learn=False`` freezes it, ``transitions=``
+  a JSON file (or env ``KVFLOW_TRANSITIONS``) persists it across runs and processes,
+  ``recorder=`` a ``TraceRecorder`` keeps the runs (``kvflow bench predict --traces``).
 * **Out of band** — a step that runs a tool node (``llm=False``) posts a ``transition``; the end
   of a run (not a pause at an interrupt) releases the workflow with ``end`` (all STE null).
+* **Tool gaps** — each tool node's step is timed, per tool called (the names in the last
+  ``AIMessage``'s ``tool_calls``; the node as a whole when it cannot tell), as a moving average
+  (:class:`ToolTimes`). Once a tool has been timed, the ``transition`` of a step that runs it says
+  *when* the agents it returns to run again: ``kvflow_tool_s = {agent: expected seconds}``, for
+  each LLM agent one step after the tool node. The server keeps those agents' last turns and
+  brings them back in time (``serving/policy/toolgap.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +58,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -46,13 +66,14 @@ from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.runnables.config import var_child_runnable_config
-from langgraph.errors import GraphInterrupt
+from langgraph.errors import GraphInterrupt, ParentCommand
 from langgraph.graph import StateGraph
 from langgraph.graph.state import CompiledStateGraph
 
 from .. import autopatch
 from ..context import register_hint_provider
 from ..graph import AgentStepGraph, GraphError, WorkflowTracker, next_agents
+from ..graph.learned import LearnedTracker, TraceRecorder, TransitionModel, default_model
 from ..oob import HintReporter
 from ..protocol import MAX_ID_LEN, Hints
 from .langgraph_asg import ASGInfo, KVFlowGraphWarning, build_asg, node_is_llm
@@ -72,11 +93,58 @@ MAX_WORKFLOWS = 4096  # per instrumented app; least recently used paused threads
 DEFAULT_GRAPH_NAME = "LangGraph"
 
 
+class ToolTimes:
+    """Measured durations of tool steps: an exponential moving average per tool name (and per
+    tool node, for steps whose tools are unknown). Thread-safe."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.by_tool: dict[str, float] = {}
+        self.by_node: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, node: str, tools: tuple, seconds: float) -> None:
+        with self._lock:
+            keys = [(self.by_node, node)] + [(self.by_tool, t) for t in tools]
+            for table, key in keys:
+                old = table.get(key)
+                table[key] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def expected(self, node: str, tools: tuple) -> Optional[float]:
+        """The expected seconds of a step of ``node`` running ``tools`` (in parallel: the
+        slowest), or None when none of them was timed yet."""
+        with self._lock:
+            known = [self.by_tool[t] for t in tools if t in self.by_tool]
+            if known:
+                return max(known)
+            return self.by_node.get(node)
+
+
+def _tool_names(task_input: Any) -> tuple:
+    """The tools a ToolNode task will run: from a ``ToolCallWithContext`` (a ``Send`` per call)
+    or the last ``AIMessage``'s ``tool_calls`` in its input state."""
+    if isinstance(task_input, dict):
+        if task_input.get("__type") == "tool_call_with_context":
+            name = (task_input.get("tool_call") or {}).get("name")
+            return (name,) if isinstance(name, str) else ()
+        msgs = task_input.get("messages")
+    elif isinstance(task_input, list):
+        msgs = task_input
+    else:
+        msgs = getattr(task_input, "messages", None)
+    for m in reversed(msgs or ()):
+        calls = getattr(m, "tool_calls", None)
+        if calls:
+            return tuple(sorted({c.get("name") for c in calls if isinstance(c.get("name"), str)}))
+    return ()
+
+
 @dataclass
 class _LoopState:
     root: bool
     ticks: int = 0  # steps that ran something of ours
     started: list[tuple[str, str]] = field(default_factory=list)  # (agent, task ns)
+    base: int = 0  # a subgraph loop: the workflow step of its first super-step
 
 
 @dataclass
@@ -93,6 +161,7 @@ class _Workflow:
     interrupted: bool = False
     run_id: Optional[UUID] = None
     version: int = 0
+    tool_runs: dict[str, tuple[str, tuple, float]] = field(default_factory=dict)  # ns -> (node, tools, t0)
     hints_cache: dict[tuple[str, int], tuple[int, Hints]] = field(default_factory=dict)
 
 
@@ -124,11 +193,17 @@ class LangGraphInstrumentation:
     """Runtime state of one instrumented graph: its Agent Step Graph and one tracker per
     workflow (thread). Reached as ``app.kvflow``."""
 
-    def __init__(self, info: ASGInfo, app_id: str, hints_url: Optional[str] = None) -> None:
+    def __init__(self, info: ASGInfo, app_id: str, hints_url: Optional[str] = None, *,
+                 model: Optional[TransitionModel] = None, learn: bool = True,
+                 recorder: Optional[TraceRecorder] = None) -> None:
         self.info = info
         self.graph: AgentStepGraph = info.graph
         self.app_id = app_id
+        self.model = model if model is not None else default_model()
+        self.learn = learn
+        self.recorder = recorder
         self.reporter = HintReporter(hints_url)
+        self.tool_times = ToolTimes()
         self.handler = _Handler(self)
         self._lock = threading.RLock()
         self._workflows: OrderedDict[str, _Workflow] = OrderedDict()
@@ -161,7 +236,9 @@ class LangGraphInstrumentation:
             if not create:
                 return None
             wire = wid if 0 < len(wid) <= MAX_ID_LEN else "sha1:" + hashlib.sha1(wid.encode()).hexdigest()
-            wf = _Workflow(wid, WorkflowTracker(self.graph, workflow_id=wid), wire_id=wire)
+            wf = _Workflow(wid, LearnedTracker(self.graph, self.model, app=self.app_id, workflow_id=wid,
+                                               learn=self.learn, recorder=self.recorder, min_evidence=1),
+                           wire_id=wire)
             self._workflows[wid] = wf
             while len(self._workflows) > MAX_WORKFLOWS:
                 self._workflows.popitem(last=False)
@@ -242,6 +319,9 @@ class LangGraphInstrumentation:
                         wf.completed.add(node[1])
                     elif isinstance(error, GraphInterrupt):
                         wf.interrupted = True
+                    elif isinstance(error, ParentCommand):  # a hand-off: done, its loop is over
+                        self._tool_done(wf, node[1])
+                        self._finish_handoff(wf, node[1])
                 if not _PATCHED:
                     self._fallback_finish(wf, node[1], error)
         root = self._root_of.pop(run_id, None)
@@ -266,9 +346,29 @@ class LangGraphInstrumentation:
             self.reporter.report(Hints(workflow=wf.wire_id, agent=END_AGENT, step=step,
                                        ste=t.ste(), next=[], app=self.app_id, event="end"),
                                  event="end")
+            if self.learn:
+                self.model.flush()  # persist what this run taught (when bound to a file)
             if wf.id.startswith("run-"):  # nothing can resume a run without a thread
                 with self._lock:
                     self._workflows.pop(wf.id, None)
+
+    @staticmethod
+    def _finish_handoff(wf: _Workflow, ns: str) -> None:
+        """The task ``ns`` raised ``Command(graph=Command.PARENT)``: it finished (its step ends
+        with it; the loop it ran in stops without an ``after_tick``)."""
+        for key, ls in list(wf.loops.items()):
+            for i, (agent, n) in enumerate(ls.started):
+                if n == ns:
+                    del ls.started[i]
+                    try:
+                        wf.tracker.finish(agent)
+                    except GraphError:
+                        pass
+                    wf.task_step.pop(ns, None)
+                    wf.version += 1
+                    if not ls.started and not ls.root:
+                        del wf.loops[key]
+                    return
 
     @staticmethod
     def _settle(wf: _Workflow) -> None:
@@ -325,13 +425,18 @@ class LangGraphInstrumentation:
                     frontier.append((name, kind, ns))
             if not frontier:  # the input step ("__start__"), nothing of ours runs
                 return
-            if not ls.ticks and not ls.root:  # a subgraph's first step: its container's
-                step = wf.task_step.get(loop_ns, wf.step + 1)
-            else:
+            if ls.root:
                 step = wf.step + 1
+            elif not ls.ticks:  # a subgraph's first step: its container's
+                step = ls.base = wf.task_step.get(loop_ns, wf.step + 1)
+            else:  # its k-th step: container + k - 1, so parallel instances (Send) stay in step
+                step = ls.base + ls.ticks
             ls.ticks += 1
             wf.step = max(wf.step, step)
             t = wf.tracker
+            tool_s: dict[str, float] = {}
+            tasks = {((tk.config or {}).get("metadata") or {}).get("langgraph_checkpoint_ns") or tk.name: tk
+                     for tk in loop.tasks.values()}
             for name, kind, ns in frontier:
                 wf.task_step[ns] = step
                 if kind != 0:
@@ -341,13 +446,37 @@ class LangGraphInstrumentation:
                 except GraphError:
                     continue
                 ls.started.append((name, ns))
-                if transition is None and not self.graph.is_llm(name):
-                    transition = name
+                if not self.graph.is_llm(name):
+                    tools = _tool_names(getattr(tasks.get(ns), "input", None))
+                    wf.tool_runs[ns] = (name, tools, time.monotonic())
+                    self._plan_resume(name, tools, tool_s)
+                    if transition is None:
+                        transition = name
             wf.version += 1
             if transition is not None:
                 hints = self._hints(wf, transition, step)
         if transition is not None:
-            self.reporter.report(hints.model_copy(update={"event": "transition"}), event="transition")
+            update: dict[str, Any] = {"event": "transition"}
+            if tool_s:
+                update["tool_s"] = tool_s
+            self.reporter.report(hints.model_copy(update=update), event="transition")
+
+    def _plan_resume(self, tool_node: str, tools: tuple, out: dict[str, float]) -> None:
+        """The LLM agents ``tool_node`` returns to, with the step's expected duration (when its
+        tools were timed before)."""
+        secs = self.tool_times.expected(tool_node, tools)
+        if secs is None:
+            return
+        for nxt in self.graph.successors(tool_node):
+            if nxt in self.graph and self.graph.is_llm(nxt):
+                out[nxt] = max(out.get(nxt, 0.0), secs)
+
+    def _tool_done(self, wf: _Workflow, ns: str) -> None:
+        """A tool node's task finished: time it (caller holds ``wf.lock``)."""
+        run = wf.tool_runs.pop(ns, None)
+        if run is not None:
+            node, tools, t0 = run
+            self.tool_times.observe(node, tools, time.monotonic() - t0)
 
     def _loop_workflow(self, loop: Any) -> Any:
         """The tracked workflow a Pregel loop belongs to (by thread id, else root run id)."""
@@ -370,6 +499,7 @@ class LangGraphInstrumentation:
                     wf.tracker.finish(agent)
                 except GraphError:
                     pass
+                self._tool_done(wf, ns)
                 wf.completed.discard(ns)
                 wf.task_step.pop(ns, None)
             ls.started = []
@@ -423,7 +553,7 @@ class LangGraphInstrumentation:
         cached = wf.hints_cache.get((agent, step))
         if cached is not None and cached[0] == wf.version:
             return cached[1]
-        ste = wf.tracker.ste()  # a copy, cached by the tracker until the next transition
+        ste = wf.tracker.wire_ste()  # expected STE (learned), never below the exact one
         nxt = next_agents(ste)
         # Our own values (ids checked when the workflow was created): skip re-validation.
         h = Hints.model_construct(workflow=wf.wire_id, agent=agent, step=step, ste=ste, next=nxt,
@@ -632,7 +762,9 @@ def _default_app_id(compiled: Any, graph: AgentStepGraph) -> str:
 
 
 def instrument(graph: Any, *, app_id: Optional[str] = None, hints_url: Optional[str] = None,
-               tool_nodes: Iterable[str] = (), warn: bool = True, **compile_kwargs: Any) -> Any:
+               tool_nodes: Iterable[str] = (), warn: bool = True, model: Optional[TransitionModel] = None,
+               learn: bool = True, transitions: Any = None, recorder: Optional[TraceRecorder] = None,
+               **compile_kwargs: Any) -> Any:
     """Instrument a LangGraph ``StateGraph`` (compiled here with ``compile_kwargs``) or a
     compiled ``StateGraph``. Returns a compiled graph with ``.kvflow_graph`` (the Agent Step
     Graph) and ``.kvflow`` (:class:`LangGraphInstrumentation`).
@@ -642,6 +774,7 @@ def instrument(graph: Any, *, app_id: Optional[str] = None, hints_url: Optional[
     requests go). ``tool_nodes``: node names (``"sub/inner"`` for subgraph nodes) that send no
     LLM request, besides those marked ``metadata={"kvflow": {"llm": False}}`` and prebuilt
     ``ToolNode``\\ s. ``warn=False`` silences :class:`KVFlowGraphWarning`.
+    ``model`` / ``learn`` / ``transitions`` / ``recorder``: learned transitions (module doc).
     """
     existing = getattr(graph, "kvflow", None)
     if isinstance(existing, LangGraphInstrumentation):
@@ -664,7 +797,11 @@ def instrument(graph: Any, *, app_id: Optional[str] = None, hints_url: Optional[
                         f"StateGraph, got {type(graph).__module__}.{type(graph).__qualname__}")
     info = build_asg(compiled, app_id or getattr(compiled, "name", None) or "workflow",
                      tool_nodes=tool_nodes, warn=warn)
-    inst = LangGraphInstrumentation(info, app_id or _default_app_id(compiled, info.graph), hints_url)
+    model = model if model is not None else default_model()
+    if transitions is not None:
+        model.bind_file(transitions)
+    inst = LangGraphInstrumentation(info, app_id or _default_app_id(compiled, info.graph), hints_url,
+                                    model=model, learn=learn, recorder=recorder)
     out = compiled.with_config(callbacks=[inst.handler])
     out.kvflow_graph = info.graph
     out.kvflow = inst

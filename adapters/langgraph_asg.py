@@ -20,7 +20,18 @@ subgraph node ``sub``                  inlined: its nodes become agents ``sub/<i
                                        into ``sub`` go to its entry agents, edges out of it
                                        leave from its exit agents (those that reach its END);
                                        ``sub`` itself is not an agent (it takes no step of its
-                                       own: its inner super-steps are the steps)
+                                       own: its inner super-steps are the steps). A node whose
+                                       function closes over exactly one compiled graph and
+                                       invokes it (langgraph-supervisor's worker nodes) is
+                                       inlined the same way
+handoff tools (``Command(goto=...,     a ``ToolNode`` inside a subgraph whose tools carry
+graph=Command.PARENT)``)               ``metadata["__handoff_destination"]`` (langgraph-supervisor,
+                                       langgraph-swarm, or your own) is where the hand-off
+                                       happens: conditional edges ``sub/tools -> destination``,
+                                       and its edge back to the agent becomes conditional too
+                                       (a hand-off leaves the subgraph instead)
+a subgraph whose container has no way  its inner END is the outer END (a swarm agent that
+out but ``Command`` destinations       answers ends the run): the run may end after its exits
 =====================================  =========================================================
 
 Which nodes call an LLM: all, except nodes marked ``add_node(..., metadata={"kvflow":
@@ -66,6 +77,10 @@ class _Scope:
     start_targets: list[str] = field(default_factory=list)  # ASG agents this graph starts with
     end_sources: list[str] = field(default_factory=list)  # ASG agents that end this graph
     sinks: list[str] = field(default_factory=list)  # ASG agents with no declared way out
+    end_is_parent_end: bool = False  # the container has no way out: this END ends the parent
+    end_cond: dict[str, bool] = field(default_factory=dict)  # exit agent -> its way out is a choice
+    inner: dict[str, "_Scope"] = field(default_factory=dict)  # container node -> its scope
+    handoffs: dict[str, list[str]] = field(default_factory=dict)  # tool node -> destinations
 
 
 @dataclass
@@ -77,8 +92,40 @@ class ASGInfo:
     warnings: list[str]
 
 
+HANDOFF_KEY = "__handoff_destination"  # langgraph-supervisor / langgraph-swarm handoff tool metadata
+
+
 def _is_subgraph(runnable: Any) -> bool:
     return isinstance(runnable, CompiledStateGraph) and getattr(runnable, "builder", None) is not None
+
+
+def subgraph_of(runnable: Any) -> Optional[CompiledStateGraph]:
+    """The compiled graph a node runs: the node itself, or the one compiled graph its function
+    closes over (a node that invokes a subgraph, as langgraph-supervisor's ``call_agent``)."""
+    if _is_subgraph(runnable):
+        return runnable
+    found = []
+    for fn in (getattr(runnable, "func", None), getattr(runnable, "afunc", None)):
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if _is_subgraph(v) and all(v is not f for f in found):
+                found.append(v)
+    return found[0] if len(found) == 1 else None
+
+
+def handoff_destinations(runnable: Any) -> list[str]:
+    """Agents a prebuilt ``ToolNode`` can hand off to (its tools' ``__handoff_destination``)."""
+    if not _is_tool_node(runnable):
+        return []
+    out = []
+    for t in getattr(runnable, "tools_by_name", {}).values():
+        md = getattr(t, "metadata", None) or {}
+        if isinstance(md.get(HANDOFF_KEY), str):
+            out.append(md[HANDOFF_KEY])
+    return list(dict.fromkeys(out))
 
 
 def _is_tool_node(runnable: Any) -> bool:
@@ -130,9 +177,12 @@ class _Builder:
         b = scope.builder
         for n, spec in b.nodes.items():
             path = scope.prefix + n
-            if _is_subgraph(spec.runnable):
+            sub = subgraph_of(spec.runnable)
+            if sub is not None:
                 self.containers.add(path)
-                inner = _Scope(spec.runnable.builder, path + "/", scope)
+                inner = _Scope(sub.builder, path + "/", scope)
+                inner.end_is_parent_end = self._no_way_out(scope, n)
+                scope.inner[n] = inner
                 self.declare(inner)
                 scope.entries[n] = inner.start_targets
                 scope.exits[n] = inner.end_sources or inner.sinks or [
@@ -142,12 +192,17 @@ class _Builder:
                                    and path not in self.tool_nodes)
                 scope.entries[n] = [path]
                 scope.exits[n] = [path]
+                dests = handoff_destinations(spec.runnable)
+                if dests:
+                    scope.handoffs[n] = dests
         # This graph's own entries/exits (needed by the parent before pass 2 runs).
-        for s, d, _cond in self._local_edges(scope):
+        for s, d, cond in self._local_edges(scope):
             if s == LG_START and d != LG_END:
                 scope.start_targets.extend(self.targets(scope, d))
             if d == LG_END and s != LG_START:
-                scope.end_sources.extend(self.sources(scope, s))
+                for src in self.sources(scope, s):
+                    scope.end_sources.append(src)
+                    scope.end_cond[src] = scope.end_cond.get(src, False) or cond or self._exit_cond(scope, s, src)
         for starts, d in b.waiting_edges:
             if d == LG_END:
                 for s in starts:
@@ -162,10 +217,32 @@ class _Builder:
         scope.start_targets[:] = list(dict.fromkeys(scope.start_targets))
         scope.end_sources[:] = list(dict.fromkeys(scope.end_sources))
         for n, spec in b.nodes.items():
-            if spec.defer and not _is_subgraph(spec.runnable):
+            if spec.defer and subgraph_of(spec.runnable) is None:
                 self._pending_defer.append((scope, n))
         # Edges are added after every scope is declared (names of enclosing scopes resolve).
         self._scopes.append(scope)
+
+    def _exit_cond(self, scope: _Scope, name: str, src: str) -> bool:
+        """Leaving container ``name`` from its exit agent ``src`` is a run-time choice (the inner
+        edge to END was conditional: a ReAct agent ends only when it calls no tool)."""
+        s = self._resolve_scope(scope, name)
+        inner = s.inner.get(name) if s is not None else None
+        return bool(inner is not None and inner.end_cond.get(src, False))
+
+    def _no_way_out(self, scope: _Scope, n: str) -> bool:
+        """Node ``n`` of ``scope`` has no plain edge, branch or join out (``Command`` destinations
+        at most): when what it runs ends, the run of ``scope`` ends."""
+        b = scope.builder
+        return (not any(s == n for s, _d in b.edges) and n not in b.branches
+                and not any(n in starts for starts, _d in b.waiting_edges))
+
+    def _handed_off(self, scope: _Scope, container: str) -> set[str]:
+        """Destinations of container ``container`` (in ``scope``) reached by its handoff tools."""
+        inner = next((s for s in self._scopes_all if s.parent is scope
+                      and s.prefix == scope.prefix + container + "/"), None)
+        if inner is None:
+            return set()
+        return {d for dests in inner.handoffs.values() for d in dests}
 
     def _local_edges(self, scope: _Scope) -> list[tuple[str, str, bool]]:
         """(src, dst, conditional) in this builder's own names; END/START kept as LangGraph's."""
@@ -186,13 +263,32 @@ class _Builder:
                               "(pass path_map= to add_conditional_edges for exact hints)")
                 out.extend((s, d, True) for d in targets)
         for n, spec in b.nodes.items():
+            handed = self._handed_off(scope, n) if n in self.containers_local(scope) else set()
             for d in _ends_of(spec.ends):
-                out.append((n, d, True))
+                if d not in handed:  # a handoff tool's Command: edges from the tool node (_handoff_edges)
+                    out.append((n, d, True))
             handler = getattr(spec, "error_handler_node", None)
             if handler:
                 out.append((n, handler, True))
         self._edges_cache[id(scope)] = out
         return out
+
+    def containers_local(self, scope: _Scope) -> set[str]:
+        return {n for n in scope.builder.nodes if scope.prefix + n in self.containers}
+
+    def _handoff_edges(self, scope: _Scope) -> None:
+        """``tools -> destination`` for each handoff tool node of ``scope`` (destinations are
+        nodes of an enclosing graph: ``Command.PARENT``), conditional; and the tool node's own
+        way back to its agent becomes conditional (a hand-off skips it)."""
+        for n, dests in scope.handoffs.items():
+            src = scope.prefix + n
+            parent = scope.parent
+            for d in dests:
+                tgt = self.targets(parent, d) if parent is not None else []
+                if not tgt and d == LG_END:
+                    tgt = [END]
+                self._or_edges.extend((src, t, True) for t in tgt)
+            self._or_edges[:] = [(s, d, True if s == src else c) for s, d, c in self._or_edges]
 
     # ------------------------------------------------------------ name resolution
     def _resolve_scope(self, scope: _Scope, name: str) -> Optional[_Scope]:
@@ -225,12 +321,16 @@ class _Builder:
                 self._add_or(scope, s, d, cond)
             for starts, d in scope.builder.waiting_edges:
                 self._add_and(scope, tuple(starts), d)
+        for scope in self._scopes:
+            self._handoff_edges(scope)
         self._finish()
 
     def _targets_or_end(self, scope: _Scope, d: str) -> list[str]:
         if d == LG_END:
             if scope.parent is None:
                 return [END]
+            if scope.end_is_parent_end:  # nothing follows the container: the run may end here
+                return self._targets_or_end(scope.parent, LG_END)
             return []  # an inner END: the container's own out-edges carry on (its exits)
         return self.targets(scope, d)
 
@@ -243,9 +343,10 @@ class _Builder:
 
     def _add_or(self, scope: _Scope, s: str, d: str, cond: bool) -> None:
         for src in self._sources_or_start(scope, s):
+            c = cond or (s != LG_START and self._exit_cond(scope, s, src))
             for dst in self._targets_or_end(scope, d):
                 if not (src == START and dst == END):
-                    self._or_edges.append((src, dst, cond))
+                    self._or_edges.append((src, dst, c))
 
     def _add_and(self, scope: _Scope, starts: tuple[str, ...], d: str) -> None:
         member_sets = [self.sources(scope, s) for s in starts if s != LG_START]
@@ -287,6 +388,7 @@ class _Builder:
 
     def build(self, builder: StateGraph) -> ASGInfo:
         self._scopes: list[_Scope] = []
+        self._scopes_all = self._scopes
         root = _Scope(builder, "")
         self.declare(root)
         self.connect()

@@ -34,6 +34,12 @@ Expected STE (the value in ``kvflow_ste``)
       is the closest (``1/P`` is decreasing in ``P``), and composes along paths, through
       parallel steps and AND barriers, which a Markov chain over single agents cannot.
 
+    **Evidence.** With ``min_evidence=k`` a choice observed fewer than ``k`` times keeps the
+    best case (every candidate at distance 1, as the exact STE): a fresh app sends the exact
+    STE and its hints change only where runs have shown how the choice goes. The LangGraph
+    adapter uses ``k = 1``; the AutoGen adapter ``k = 0`` (the prior alone already spreads a
+    selector's candidates).
+
     **On the wire** (:func:`wire_ste`): ``kvflow_ste[a] = max(exact(a), round(X(a)))``
     (half up), ``null`` where the exact STE is infinite. The protocol carries integers, and the
     server uses the value as an eviction priority and a prefetch lookahead, both in steps: a
@@ -62,7 +68,9 @@ from __future__ import annotations
 
 import heapq
 import json
+import logging
 import math
+import os
 import random
 import threading
 import weakref
@@ -75,11 +83,15 @@ from .errors import GraphError
 from .step_graph import END, INF, START, AgentStepGraph, next_agents
 from .tracker import WorkflowTracker
 
+log = logging.getLogger("kvflow_agents")
+
+TRANSITIONS_ENV = "KVFLOW_TRANSITIONS"  # a JSON file: the default model persists there
+
 __all__ = [
     "TransitionModel", "LearnedTracker", "TraceRun", "TraceRecorder", "PredictionReport",
     "expected_ste", "guaranteed_ste", "wire_ste",
     "write_traces", "read_traces", "evaluate_predictions", "synthetic_selector_traces",
-    "selector_graph", "train", "conditional_successors", "ste_between_steps",
+    "selector_graph", "train", "conditional_successors", "ste_between_steps", "default_model",
 ]
 
 
@@ -209,6 +221,23 @@ def guaranteed_ste(graph: AgentStepGraph, running: Iterable[str] = (),
 
 
 # ---------------------------------------------------------------------------- the model
+_default: "TransitionModel | None" = None
+_default_lock = threading.Lock()
+
+
+def default_model() -> "TransitionModel":
+    """The process-wide model the adapters (LangGraph and AutoGen) share unless given one; bound
+    to the file named by ``$KVFLOW_TRANSITIONS`` when set, so learning persists across runs."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = TransitionModel()
+            path = os.environ.get(TRANSITIONS_ENV)
+            if path:
+                _default.bind_file(path)
+        return _default
+
+
 class TransitionModel:
     """Per-app counts of conditional transitions ``(u → v)`` and what follows from them.
 
@@ -222,6 +251,8 @@ class TransitionModel:
         self.prior = float(prior)
         self._counts: dict[str, dict[str, dict[str, int]]] = {}
         self._lock = threading.Lock()
+        self._path: Path | None = None
+        self._loaded: set[Path] = set()
 
     # -------------------------------------------------------------- counting
     def observe(self, app: str, src: str, dst: str, n: int = 1) -> None:
@@ -272,31 +303,37 @@ class TransitionModel:
 
     # -------------------------------------------------------------- STE
     def expected_ste(self, graph: AgentStepGraph, running: Iterable[str] = (),
-                     arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None
-                     ) -> dict[str, float]:
-        """Expected STE (float; see the module doc). ``app`` defaults to the graph's name."""
+                     arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None,
+                     min_evidence: int = 0) -> dict[str, float]:
+        """Expected STE (float; see the module doc). ``app`` defaults to the graph's name.
+        ``min_evidence``: a choice observed fewer times than this keeps the best case (length 1
+        on each of its edges): no evidence, no claim (the LangGraph adapter uses 1)."""
         app = graph.name if app is None else app
         v_ = _view(graph)
         cache: dict[str, dict[str, float]] = {}
+        rows = self._counts.get(app, {})
 
         def length(u: str, v: str, c: bool) -> float:
             if not c:
                 return 1.0
             dist = cache.get(u)
             if dist is None:
-                dist = cache[u] = self.distribution(app, u, v_.cond_succ.get(u, ()))
+                if min_evidence and sum(rows.get(u, {}).values()) < min_evidence:
+                    dist = cache[u] = {w: 1.0 for w in v_.cond_succ.get(u, ())}
+                else:
+                    dist = cache[u] = self.distribution(app, u, v_.cond_succ.get(u, ()))
             return 1.0 / dist[v]
 
         return _solve(graph, running, arrived, length)
 
     def wire_ste(self, graph: AgentStepGraph, running: Iterable[str] = (),
                  arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None,
-                 exact: Mapping[str, float] | None = None) -> dict[str, float]:
+                 exact: Mapping[str, float] | None = None, min_evidence: int = 0) -> dict[str, float]:
         """The ``kvflow_ste`` map: expected STE rounded half up, never below the exact STE."""
         running = set(running)
         if exact is None:
             exact = graph.steps_to_execution(running, arrived or {}, validate=False)
-        return wire_ste(exact, self.expected_ste(graph, running, arrived, app=app))
+        return wire_ste(exact, self.expected_ste(graph, running, arrived, app=app, min_evidence=min_evidence))
 
     # -------------------------------------------------------------- persistence
     def to_json(self) -> str:
@@ -320,7 +357,48 @@ class TransitionModel:
             raise GraphError(f"cannot read transition model: {e}") from e
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+        """Write the model as JSON (atomically: a reader never sees half a file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(self.to_json() + "\n")
+        os.replace(tmp, path)
+
+    def merge(self, other: "TransitionModel") -> None:
+        """Add ``other``'s counts to this model's."""
+        for app in other.apps:
+            for (u, v), n in other.counts(app).items():
+                self.observe(app, u, v, n)
+
+    def bind_file(self, path: str | Path) -> "TransitionModel":
+        """Persist this model in ``path`` across runs and processes: the counts already there
+        are merged in now (once per path), and :meth:`flush` (called by the adapters when a run
+        ends) writes the model back. An unreadable file is reported and then overwritten."""
+        path = Path(path).expanduser()
+        with self._lock:
+            already = path in self._loaded
+            self._loaded.add(path)
+            self._path = path
+        if not already and path.exists():
+            try:
+                self.merge(TransitionModel.load(path))
+            except (GraphError, OSError) as e:
+                log.warning("kvflow: ignoring the transition file %s (%s)", path, e)
+        return self
+
+    @property
+    def path(self) -> Path | None:
+        return self._path
+
+    def flush(self) -> None:
+        """Write the model to its bound file (no-op when unbound; errors are logged, never raised:
+        persistence must not fail the user's run)."""
+        if self._path is None:
+            return
+        try:
+            self.save(self._path)
+        except OSError as e:
+            log.warning("kvflow: could not write the transition file %s (%s)", self._path, e)
 
     @classmethod
     def load(cls, path: str | Path) -> "TransitionModel":
@@ -459,11 +537,12 @@ class LearnedTracker(WorkflowTracker):
 
     def __init__(self, graph: AgentStepGraph, model: TransitionModel | None = None, *,
                  app: str | None = None, workflow_id: str | None = None, learn: bool = True,
-                 recorder: TraceRecorder | None = None) -> None:
+                 recorder: TraceRecorder | None = None, min_evidence: int = 0) -> None:
         super().__init__(graph, workflow_id=workflow_id)
         self.model = model if model is not None else TransitionModel()
         self.app = app or graph.name
         self.learn = learn
+        self.min_evidence = min_evidence
         self.recorder = recorder
         if recorder is not None:
             recorder.add_graph(self.app, graph)
@@ -518,7 +597,8 @@ class LearnedTracker(WorkflowTracker):
         if self._ended:
             return {a: INF for a in self.graph.agents}
         running, arrived = self._state()
-        return self.model.expected_ste(self.graph, running, arrived, app=self.app)
+        return self.model.expected_ste(self.graph, running, arrived, app=self.app,
+                                       min_evidence=self.min_evidence)
 
     def guaranteed_ste(self) -> dict[str, float]:
         if self._ended:

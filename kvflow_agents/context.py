@@ -9,6 +9,11 @@ Two sources, checked in order:
 Transports call :func:`current_hints` once per request. A provider that raises is logged and
 skipped: hints are advisory and must never fail the user's request.
 
+:func:`set_hint_transform` installs one process-wide function that every outgoing hint passes
+through (request hints and out-of-band posts); returning ``None`` drops the hint. It exists for
+fault injection: ``kvflow bench … --hints random|reversed|stale|none`` measures what a server does
+with wrong or missing hints (``kvflow_agents.bench.hint_modes``).
+
 Which body fields carry the hints is :func:`hint_channel`: ``both`` (default: ``custom_params``
 for direct connections and ``metadata["kvflow"]``, the form SGLang's gateway forwards),
 ``metadata`` or ``custom_params``. Set it with :func:`set_hint_channel` or the environment
@@ -33,6 +38,7 @@ HintProvider = Callable[[], Optional[Hints]]
 _explicit: contextvars.ContextVar[Optional[Hints]] = contextvars.ContextVar("kvflow_hints", default=None)
 _providers: list[HintProvider] = []
 _providers_lock = threading.Lock()
+_transform: Optional[Callable[[Hints], Optional[Hints]]] = None
 
 
 @contextmanager
@@ -67,11 +73,29 @@ def unregister_hint_provider(provider: HintProvider) -> None:
             _providers.remove(provider)
 
 
+def set_hint_transform(fn: Optional[Callable[[Hints], Optional[Hints]]]) -> None:
+    """Pass every outgoing hint through ``fn`` (``None``: drop it); ``None`` removes it."""
+    global _transform
+    _transform = fn
+
+
+def transform_hints(h: Optional[Hints]) -> Optional[Hints]:
+    """``h`` after the installed transform (unchanged when none is installed)."""
+    fn = _transform
+    if fn is None or h is None:
+        return h
+    try:
+        return fn(h)
+    except Exception:  # noqa: BLE001 — a broken transform must not fail the request
+        log.debug("kvflow hint transform %r failed", fn, exc_info=True)
+        return h
+
+
 def current_hints() -> Optional[Hints]:
     """The hints for a request sent from the current context, or ``None``."""
     h = _explicit.get()
     if h is not None:
-        return h
+        return transform_hints(h)
     for provider in tuple(_providers):
         try:
             h = provider()
@@ -79,7 +103,7 @@ def current_hints() -> Optional[Hints]:
             log.debug("kvflow hint provider %r failed", provider, exc_info=True)
             continue
         if h is not None:
-            return h
+            return transform_hints(h)
     return None
 
 

@@ -185,6 +185,12 @@ class HintReporter:
     def report(self, hints: Hints, event: str = "transition") -> bool:
         """Queue a post; ``False`` when it was dropped (no server known yet, queue full)."""
         try:
+            from .context import transform_hints
+
+            hints = transform_hints(hints.model_copy(update={"event": event}))
+            if hints is None:  # dropped by a fault-injection transform
+                return False
+            event = hints.event or event
             url = self.url(hints.app)
             if url is None:
                 log.debug("kvflow: no server known for out-of-band hints of %r yet", hints.app)

@@ -21,7 +21,10 @@ dicts (it must stay msgpack-safe), so this form reaches SGLang's ``Req`` unchang
                        "kvflow_next": ["executor"], "kvflow_fixed_messages": 1}}
 
 ``null`` in ``kvflow_ste`` means infinity: the agent cannot run again in this workflow, so its
-cache may go first. The ids are mirrored in headers ``X-KVFlow-Workflow`` / ``X-KVFlow-Agent``
+cache may go first. Optional ``kvflow_tool_s`` (``{agent: seconds}``) says *when*: these agents
+wait on a tool step expected to take that long (measured per tool by the client), so the server
+keeps each one's last turn (prompt + what it generated, the start of its resumed turn) and brings
+it back in time (``serving/policy/toolgap.py``). The ids are mirrored in headers ``X-KVFlow-Workflow`` / ``X-KVFlow-Agent``
 for routers and logs (a gateway drops them). The same flat dict (plus ``kvflow_event``) is the
 body of the server's out-of-band endpoint ``POST /kvflow/v1/hints`` for transitions that send no
 LLM request. A gateway forwards no such route, so the same event also travels as a *hint-only
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
@@ -58,6 +62,7 @@ MAX_STE_AGENTS = 1024
 MAX_STE = 1_000_000  # larger finite values are clipped; they mean "far away" anyway
 MAX_STEP = 2**31 - 1
 MAX_FIXED_MESSAGES = 4096
+MAX_TOOL_S = 3600.0  # a longer tool wait is "no plan": the resume tag would expire anyway
 
 EVENTS = ("transition", "end")
 
@@ -78,6 +83,9 @@ class HintError(ValueError):
         self.reason = message
 
 
+_BAD_ID_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
 def _check_id(key: str, value: Any, *, optional: bool = False) -> Optional[str]:
     if value is None and optional:
         return None
@@ -85,6 +93,8 @@ def _check_id(key: str, value: Any, *, optional: bool = False) -> Optional[str]:
         raise HintError(key, f"must be a non-empty string, got {type(value).__name__}")
     if len(value) > MAX_ID_LEN:
         raise HintError(key, f"longer than {MAX_ID_LEN} characters")
+    if _BAD_ID_CHARS.search(value):  # ids end up in JSON, logs, headers and tables
+        raise HintError(key, "contains a control character or a lone surrogate")
     return value
 
 
@@ -119,6 +129,9 @@ class Hints(BaseModel):
         None, ge=0, description="How many leading messages are the agent's fixed prompt.")
     event: Optional[Literal["transition", "end"]] = Field(
         None, description="Out-of-band only: 'end' releases the workflow.")
+    tool_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Agents waiting on a tool step -> its expected seconds (they resume after it).")
 
     @field_validator("workflow", "agent")
     @classmethod
@@ -149,6 +162,8 @@ class Hints(BaseModel):
             out["kvflow_fixed_messages"] = self.fixed_messages
         if self.event is not None:
             out["kvflow_event"] = self.event
+        if self.tool_s:
+            out["kvflow_tool_s"] = {a: round(float(v), 4) for a, v in self.tool_s.items()}
         return out
 
     def headers(self) -> dict[str, str]:
@@ -217,8 +232,18 @@ class Hints(BaseModel):
         event = params.get("kvflow_event", None)
         if event is not None and event not in EVENTS:
             raise HintError("kvflow_event", f"must be one of {EVENTS}, got {event!r}")
+
+        raw_tool = params.get("kvflow_tool_s", None) or {}
+        if not isinstance(raw_tool, Mapping) or len(raw_tool) > MAX_STE_AGENTS:
+            raise HintError("kvflow_tool_s", f"must be an object of at most {MAX_STE_AGENTS} agent -> seconds")
+        tool_s = {}
+        for a, val in raw_tool.items():
+            _check_id("kvflow_tool_s", a)
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val < 0:
+                raise HintError("kvflow_tool_s", f"{a}: must be a non-negative number of seconds, got {val!r}")
+            tool_s[a] = min(float(val), MAX_TOOL_S)
         return cls(workflow=workflow, agent=agent, step=step, ste=ste, next=nxt, app=app,  # type: ignore[arg-type]
-                   fixed_messages=fixed, event=event)
+                   fixed_messages=fixed, event=event, tool_s=tool_s)
 
     @classmethod
     def from_metadata(cls, metadata: Any, *, workflow: Optional[str] = None) -> Optional["Hints"]:
@@ -338,6 +363,9 @@ class HintsWire(BaseModel):
     kvflow_next: list[str] = Field(default_factory=list, max_length=MAX_STE_AGENTS)
     kvflow_fixed_messages: Optional[int] = Field(None, ge=0)
     kvflow_event: Optional[Literal["transition", "end"]] = None
+    kvflow_tool_s: dict[str, float] = Field(
+        default_factory=dict, max_length=MAX_STE_AGENTS,
+        description="agents waiting on a tool step -> its expected duration in seconds")
 
 
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "hints_v1.schema.json"

@@ -60,8 +60,11 @@ class ServeProcess:
     def __init__(self, args: Sequence[str] = (), *, host: str = "127.0.0.1",
                  port: Optional[int] = None, timeout_s: float = 300.0,
                  command: Optional[Sequence[str]] = None,
-                 env: Optional[dict[str, str]] = None) -> None:
+                 env: Optional[dict[str, str]] = None,
+                 health_headers: Optional[dict[str, str]] = None) -> None:
+        """``health_headers``: sent with the ``/health`` polls (an API key, when one is set)."""
         self.args = list(args)
+        self.health_headers = dict(health_headers or {})
         self.host = host
         self.port = port or free_port(host)
         self.timeout_s = timeout_s
@@ -119,7 +122,7 @@ class ServeProcess:
         assert self.proc is not None
         deadline = time.monotonic() + self.timeout_s
         last_err = "no answer yet"
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
+        with httpx.Client(timeout=2.0, trust_env=False, headers=self.health_headers) as client:
             while True:
                 code = self.proc.poll()
                 if code is not None:

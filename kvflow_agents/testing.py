@@ -11,7 +11,9 @@ the wire*, not what a mock saw.
         ...
         srv.requests[0].body["custom_params"]["kvflow_agent"]
 
-The reply text can be chosen per request with ``reply=callable(body) -> str``.
+The reply can be chosen per request with ``reply=callable(body)``: a ``str`` (the content), or a
+``dict`` message (``{"content": ..., "tool_calls": [...]}``, non-streamed chat only) for replies
+that call tools (``finish_reason`` is then ``"tool_calls"``).
 """
 
 from __future__ import annotations
@@ -101,13 +103,15 @@ class RecordingOpenAIServer:
                 model = body.get("model", "stub")
                 if path.endswith("/chat/completions"):
                     if body.get("stream"):
-                        self._stream_chat(text, model, body)
+                        self._stream_chat(text if isinstance(text, str) else text.get("content") or "", model, body)
                     else:
+                        msg = {"role": "assistant", **text} if isinstance(text, dict) else \
+                            {"role": "assistant", "content": text}
                         self._send(200, {
                             "id": "chatcmpl-stub", "object": "chat.completion", "created": int(time.time()),
                             "model": model,
-                            "choices": [{"index": 0, "finish_reason": "stop",
-                                         "message": {"role": "assistant", "content": text}}],
+                            "choices": [{"index": 0, "finish_reason": "tool_calls" if msg.get("tool_calls") else "stop",
+                                         "message": msg}],
                             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
                 elif path.endswith("/completions"):
                     self._send(200, {

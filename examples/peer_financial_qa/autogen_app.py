@@ -64,7 +64,8 @@ from autogen_core.models import LLMMessage, ModelInfo, UserMessage
 from kvflow_agents.bench.peer import PeerApp
 
 from . import prompts
-from .app import DEFAULT_SUB_QUESTIONS, default_sub_questions, parse_plan, parse_verdict, pick_snippets
+from .app import DEFAULT_SUB_QUESTIONS, default_sub_questions, parse_plan, parse_review
+from .corpus import default_corpus, format_results
 
 __all__ = ["build_team", "run_question", "make_client", "instrument_team", "task_message", "parse_task",
            "fold_thread", "plan_for_executors", "executor_names", "PeerThread", "PeerModelContext",
@@ -199,9 +200,21 @@ def fold_thread(messages: Iterable[tuple[str, str]], executors: int = DEFAULT_EX
             st.drafts += 1
         elif source == "reviewer":
             st.review = text
-            st.verdicts.append(parse_verdict(text))
+            st.verdicts.append(parse_review(text).verdict)
             st.rounds += 1
     return st
+
+
+SEARCH_K = 3
+
+
+def executor_message(sub_question: str, question: str) -> str:
+    """The executor's per-call message: its task plus the search result for it. The AutoGen
+    executors search in their model context (BM25 on the sub-question, the same corpus as the
+    LangGraph version's ``search_corpus`` tool), so each request keeps the ``[system, user]``
+    layout."""
+    results = format_results(default_corpus().search(sub_question, SEARCH_K))
+    return prompts.executor_user(sub_question, question) + "\n\nsearch_corpus results:\n" + results
 
 
 class PeerModelContext(ChatCompletionContext):
@@ -235,7 +248,7 @@ class PeerModelContext(ChatCompletionContext):
             assert self.index is not None
             subs = st.sub_questions or plan_for_executors("", st.category, st.question, self.executors)[0]
             sub = subs[self.index]
-            return prompts.executor_user(sub, pick_snippets(sub, st.background))
+            return executor_message(sub, st.question)
         if self.role == "expresser":
             revise = bool(st.verdicts) and st.verdicts[-1] != "PASS"
             return prompts.expresser_user(st.question, st.ordered_findings(),
@@ -323,7 +336,7 @@ def build_team(client: Any, *, jump: str = "expressing", max_rounds: int = 2,
     def exit_review(msg: BaseChatMessage) -> bool:
         # The reviewer's own reply is in its context when the manager checks the edges.
         st = review_ctx.thread()
-        verdict = parse_verdict(msg.to_model_text())
+        verdict = parse_review(msg.to_model_text()).verdict
         return verdict == "PASS" or st.rounds >= max_rounds
 
     def retry(msg: BaseChatMessage) -> bool:
@@ -384,7 +397,7 @@ async def run_question(team: GraphFlow, question: Any) -> dict[str, Any]:
     for i, sq in enumerate(st.sub_questions):
         if i in st.findings:
             findings.append({"index": i, "sub_question": sq, "text": st.findings[i],
-                             "snippets": [lbl for lbl, _ in pick_snippets(sq, st.background)]})
+                             "sources": [p.id for p, _ in default_corpus().search(sq, SEARCH_K)]})
     return {"id": st.qid, "question": st.question, "category": st.category,
             "answer": st.draft, "draft": st.draft, "review": st.review,
             "verdicts": list(st.verdicts), "rounds": st.rounds,

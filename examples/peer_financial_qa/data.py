@@ -1,10 +1,17 @@
-"""The offline question set of the PEER financial-QA example.
+"""The question sets of the PEER financial-QA example.
 
-``data/questions.jsonl``: one JSON object per line::
+``load_questions(path)`` reads three formats (one question per line, detected per line):
 
-    {"id": "macro-01", "category": "macro", "question": "...", "background": ["...", "..."]}
+* this example's own JSONL (``data/questions.jsonl``)::
 
-The background snippets stand in for a web search (no network at run time). All entities
+      {"id": "macro-01", "category": "macro", "question": "...", "background": ["...", "..."]}
+
+  ``background`` (0-5 snippets) is optional: the executors retrieve from the corpus anyway;
+* agentUniverse's PEER question set: JSONL lines ``{"text": "..."}`` (id ``<file stem>-<line>``,
+  category ``general``);
+* plain text: one question per line (``#`` starts a comment).
+
+The shipped snippets are also the default search corpus (``corpus.py``). All entities
 (Arcadia, Borealis, Lumora Foods, ...) and figures are invented for illustration.
 """
 
@@ -18,10 +25,11 @@ from typing import Iterable, Optional, Sequence
 DATA_FILE = Path(__file__).resolve().parent / "data" / "questions.jsonl"
 
 CATEGORIES: tuple[str, ...] = ("macro", "markets", "company_analysis", "policy", "reports")
+GENERAL = "general"  # questions from agentUniverse's {"text": ...} files and plain text files
 _ALIASES = {"company": "company_analysis", "company-analysis": "company_analysis",
             "company analysis": "company_analysis", "market": "markets", "report": "reports"}
 
-MIN_SNIPPETS, MAX_SNIPPETS = 3, 5
+MIN_SNIPPETS, MAX_SNIPPETS = 0, 5
 
 
 class DataError(ValueError):
@@ -39,19 +47,25 @@ class Question:
 def normalize_category(name: str) -> str:
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
-    if key not in CATEGORIES:
+    if key not in CATEGORIES and key != GENERAL:
         raise ValueError(f"unknown category {name!r}; expected one of {', '.join(CATEGORIES)}")
     return key
 
 
-def _parse_line(raw: str, where: str) -> Question:
+def _parse_line(raw: str, where: str, default_id: str = "q") -> Question:
     try:
         doc = json.loads(raw)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(doc, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(doc).__name__}")
-    missing = [k for k in ("id", "category", "question", "background") if k not in doc]
+    if "text" in doc and "question" not in doc:  # agentUniverse's PEER question set
+        text = doc["text"]
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{where}: field 'text' must be a non-empty string")
+        return Question(str(doc.get("id") or default_id), GENERAL, text.strip(), ())
+    doc.setdefault("background", [])
+    missing = [k for k in ("id", "category", "question") if k not in doc]
     if missing:
         raise DataError(f"{where}: missing field(s) {', '.join(missing)}")
     for k in ("id", "category", "question"):
@@ -78,10 +92,15 @@ def load_questions(path: Path | str = DATA_FILE) -> list[Question]:
     seen: dict[str, int] = {}
     with path.open(encoding="utf-8") as f:
         for lineno, raw in enumerate(f, 1):
-            if not raw.strip() or raw.lstrip().startswith("//"):
+            line = raw.strip()
+            if not line or line.startswith("//") or line.startswith("#"):
                 continue
             where = f"{path.name}:{lineno}"
-            q = _parse_line(raw, where)
+            qid = f"{path.stem}-{lineno:03d}"
+            if line.startswith("{"):
+                q = _parse_line(raw, where, qid)
+            else:  # a plain-text question
+                q = Question(qid, GENERAL, line, ())
             if q.id in seen:
                 raise DataError(f"{where}: duplicate id {q.id!r} (first on line {seen[q.id]})")
             seen[q.id] = lineno
@@ -106,7 +125,7 @@ def select(questions: Sequence[Question], *, n: Optional[int] = None,
         cat = normalize_category(category)
         picked = [q for q in questions if q.category == cat]
     else:
-        buckets = [[q for q in questions if q.category == c] for c in CATEGORIES]
+        buckets = [[q for q in questions if q.category == c] for c in (*CATEGORIES, GENERAL)]
         picked = []
         for i in range(max((len(b) for b in buckets), default=0)):
             picked += [b[i] for b in buckets if i < len(b)]

@@ -4,9 +4,13 @@
     python -m examples.peer_financial_qa.run --base-url http://127.0.0.1:30000/v1 --model M
     python examples/peer_financial_qa/run.py --ids macro-01,co-03 --jump planning
     python -m examples.peer_financial_qa.run --framework autogen   # the AutoGen GraphFlow version
+    python -m examples.peer_financial_qa.run --data my_questions.txt --corpus ./my_notes
 
-For each question it prints the question, the plan, the final answer, the review verdict of each
-round and the elapsed time; at the end a per-agent usage/cache table (from each response's
+``--data`` reads this example's JSONL, agentUniverse's ``{"text": ...}`` JSONL or a plain text
+file (one question per line); ``--corpus DIR`` makes the executors search your own text files
+instead of the shipped snippets. For each question it prints the question, the plan, what each
+executor searched for and found (``--show-findings``), the final answer, each review's verdict
+and score, and the elapsed time; at the end a per-agent usage/cache table (from each response's
 ``usage``) and, when the server has ``GET /kvflow/v1/cache``, its per-agent residency.
 """
 
@@ -25,10 +29,12 @@ if __package__ in (None, ""):  # run as a script: make the package importable
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
 from examples.peer_financial_qa.app import build_graph, compile_app, initial_state, make_llm
+from examples.peer_financial_qa.corpus import Corpus, CorpusError
 from examples.peer_financial_qa.data import CATEGORIES, DATA_FILE, DataError, load_questions, select
 from examples.peer_financial_qa.server import EmbeddedServer, ServerStartError
 from examples.peer_financial_qa.usage import AgentUsage, CacheSampler, UsageByAgent
@@ -60,7 +66,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, help="sampling seed sent to the server")
     p.add_argument("--no-instrument", action="store_true", help="do not call kvflow.instrument (baseline)")
-    p.add_argument("--data", type=Path, default=DATA_FILE, help="questions JSONL file")
+    p.add_argument("--data", type=Path, default=DATA_FILE,
+                   help="questions: this example's JSONL, agentUniverse's {\"text\": ...} JSONL, or one "
+                        "question per line")
+    p.add_argument("--corpus", type=Path, metavar="DIR",
+                   help="search your own text files (*.txt, *.md) instead of the shipped snippets")
+    p.add_argument("--search-delay", type=float, default=0.0, metavar="S",
+                   help="seconds each search takes (emulates a remote search backend: the tool gap)")
     p.add_argument("--server-timeout", type=float, default=600.0,
                    help="seconds to wait for the embedded server's /health (default 600)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
@@ -97,11 +109,14 @@ def print_result(console: Console, q: Any, result: dict[str, Any], elapsed: floa
         console.print(f"[dim]  {i}. {s}[/]")
     if show_findings:
         for f in sorted(result.get("findings") or [], key=lambda f: f["index"]):
-            console.print(Panel(f["text"] or "(empty)", title=f"executor {f['index'] + 1} ({', '.join(f['snippets'])})",
-                                border_style="dim"))
-    console.print(Panel(result.get("draft") or "(no answer)", title="answer", border_style="green"))
+            src = ", ".join(f.get("sources") or f.get("snippets") or []) or "no passage"
+            title = f"executor {f['index'] + 1}: searched {f.get('query', '')!r} -> {src}"
+            console.print(Panel(f["text"] or "(empty)", title=escape(title), border_style="dim"))
+    console.print(Panel(escape(result.get("draft") or "(no answer)"), title="answer", border_style="green"))
     verdicts = result.get("verdicts") or []
-    console.print(f"[bold]review:[/] rounds {' → '.join(verdicts) or '-'}; final: "
+    scores = list(result.get("scores") or []) + [None] * len(verdicts)
+    rounds = [f"{v} (score {s})" if s is not None else v for v, s in zip(verdicts, scores)]
+    console.print(f"[bold]review:[/] {' → '.join(rounds) or '-'}; final: "
                   f"[bold]{result.get('final_verdict') or '?'}[/]   [dim]elapsed {elapsed:.1f}s[/]")
 
 
@@ -181,7 +196,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     try:
         questions = select(load_questions(args.data), n=args.questions,
                            ids=args.ids.split(",") if args.ids else None, category=args.category)
-    except (DataError, ValueError, OSError) as e:
+        corpus = Corpus.from_dir(args.corpus) if args.corpus else None
+    except (DataError, CorpusError, ValueError, OSError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2
     if not questions:
@@ -220,7 +236,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
             usage = UsageByAgent()
             llm = make_llm(base_url=base_url, model=model, api_key=args.api_key, max_tokens=args.max_tokens,
                            temperature=args.temperature, seed=args.seed, callbacks=[usage])
-            builder = build_graph(llm, jump=args.jump, max_rounds=args.max_rounds)
+            builder = build_graph(llm, jump=args.jump, max_rounds=args.max_rounds, corpus=corpus,
+                                  search_delay_s=args.search_delay)
             app, instrumented = compile_app(builder, instrument=not args.no_instrument)
             invoke = lambda q: app.invoke(initial_state(q), config={"recursion_limit": 64})  # noqa: E731
         if not args.no_instrument and not instrumented:

@@ -76,6 +76,16 @@ def extract_usage(response: Any) -> Optional[dict[str, Any]]:
     return None
 
 
+def agent_of(metadata: Optional[dict[str, Any]]) -> str:
+    """The PEER agent an LLM call belongs to: the outermost LangGraph node of its checkpoint
+    namespace (``executor:<id>|agent:<id>`` -> ``executor``), else ``langgraph_node``."""
+    md = metadata or {}
+    ns = md.get("langgraph_checkpoint_ns")
+    if isinstance(ns, str) and ns:
+        return ns.split("|", 1)[0].split(":", 1)[0]
+    return str(md.get("langgraph_node") or "?")
+
+
 class UsageByAgent(BaseCallbackHandler):
     """Aggregates response usage per LangGraph node (agent)."""
 
@@ -90,7 +100,7 @@ class UsageByAgent(BaseCallbackHandler):
 
     def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: UUID,
                             metadata: Optional[dict[str, Any]] = None, **kwargs: Any) -> None:
-        agent = str((metadata or {}).get("langgraph_node") or "?")
+        agent = agent_of(metadata)
         with self._lock:
             self._runs[run_id] = (agent, time.perf_counter())
 

@@ -17,7 +17,7 @@ import gc
 import random
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from .workload import TokenCounter
 
@@ -85,3 +85,135 @@ def calibrate_link(model: str, fixed: int, *, counter: TokenCounter, dynamic: in
         eng.shutdown()
         del eng
         gc.collect()
+
+
+# ------------------------------------------------------------------------------ the paper's regime
+PAPER_REGIME = {"profile": "llama-3.1-8b-a10g", "fixed": 8192, "dynamic": 32, "output": 32}
+
+
+def paper_recompute_ratio(profile: str = PAPER_REGIME["profile"], fixed: int = PAPER_REGIME["fixed"],
+                          dynamic: int = PAPER_REGIME["dynamic"], output: int = PAPER_REGIME["output"]) -> dict:
+    """How much recomputing a fixed prompt weighs against the rest of a call on the paper's GPU:
+    ``recompute(fixed) / call`` where ``call`` is what a call costs with the prompt cached
+    (prefill of the dynamic part on the cached context + ``output - 1`` decode steps), from the
+    simulator's cost profile of Llama-3.1-8B on an A10G (``serving/sim/profiles.json``)."""
+    from kvflow_agents.serving.sim import load_profile
+
+    prof = load_profile(profile)
+    rec = prof.recompute_s(fixed)
+    call = prof.prefill_s([(dynamic, fixed)]) + sum(prof.decode_s(1, fixed + dynamic + i)
+                                                    for i in range(1, output))
+    return {"profile": profile, "fixed": fixed, "dynamic": dynamic, "output": output,
+            "recompute_s": rec, "call_s": call, "ratio": rec / call}
+
+
+@dataclass
+class RegimeCalibration:
+    """The fixed-prompt length at which this engine's recompute/call ratio matches a target."""
+
+    model: str
+    target_ratio: float
+    fixed: int                    # chosen fixed-prompt tokens
+    ratio_at_fixed: float         # measured recompute / call there (served, streamed)
+    recompute_s: float            # served recompute of the chosen prefix
+    call_s: float                 # served call with the prefix cached
+    probes: list                  # [[fixed, recompute_s, call_s, ratio], ...]
+    capped: bool                  # the target needs more than ``max_fixed`` tokens
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return (f"paper regime on {self.model}: recompute / call = {self.ratio_at_fixed:.2f} at "
+                f"{self.fixed} fixed tokens (target {self.target_ratio:.2f}"
+                + (", capped" if self.capped else "") + f"; recompute {self.recompute_s * 1e3:.0f} ms, "
+                f"call {self.call_s * 1e3:.0f} ms)")
+
+
+def _fit_ratio(rows: list) -> Callable[[float], float]:
+    """Least-squares fits ``recompute(n) = b*n + c*n^2`` (b, c >= 0) and ``call(n) = a + d*n`` to
+    the probes ``[[n, recompute_s, call_s, ratio], ...]``; returns ``n -> recompute/call``
+    (smooth and increasing, unlike the raw probes on a noisy machine)."""
+    import numpy as np
+
+    n = np.array([r[0] for r in rows], float)
+    rec = np.array([r[1] for r in rows], float)
+    call = np.array([r[2] for r in rows], float)
+    (b, c), *_ = np.linalg.lstsq(np.stack([n, n * n], 1), rec, rcond=None)
+    if c < 0:
+        b, c = float((n @ rec) / (n @ n)), 0.0
+    b = max(b, 0.0)
+    if len(rows) >= 2:
+        (a, d), *_ = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), call, rcond=None)
+    else:
+        a, d = float(call[0]), 0.0
+    a, d = float(a), max(float(d), 0.0)
+    return lambda x: (b * x + c * x * x) / max(a + d * x, 1e-9)
+
+
+def choose_fixed_for_ratio(model: str, counter: TokenCounter, *, target_ratio: float, dynamic: int,
+                           output: int, page_size: int = 16, samples: int = 3,
+                           probes: tuple = (1024, 2048, 4096), max_fixed: int = 8192,
+                           seed: int = 4242, log=lambda s: None) -> RegimeCalibration:
+    """Probe a few fixed-prompt lengths on a served oracle engine (``kvflow serve``, streamed
+    requests, as the bench's calls are), fit recompute (superlinear) and call (nearly flat) in
+    the length, solve recompute/call = ``target_ratio`` (at most ``max_fixed`` tokens, a
+    multiple of 64), and measure there. Each point: min over ``samples`` cold/warm pairs (a busy
+    machine only ever adds time)."""
+    import asyncio
+
+    from .server import BenchServer, serve_args
+    from .workload import CallRecord, chat_call
+
+    rng = random.Random(seed)
+    dev = 4 * (max_fixed + dynamic + output + 128) + 4096
+    srv = BenchServer(serve_args(model=model, policy="oracle", device_tokens=dev, host_tokens=0,
+                                 page_size=page_size, host_link_gbps=None, lookahead=0, max_batch=4))
+
+    async def probe(client, n: int) -> list:
+        cold_t, warm_t, warm_lat = [], [], []
+        for i in range(samples):
+            system = counter.make_text(n, rng, f"[regime {n} {i}]")
+
+            def msgs():
+                return [{"role": "system", "content": system},
+                        {"role": "user", "content": counter.make_text(dynamic, rng)}]
+            cold = await chat_call(client, srv.base_url, "default", msgs(), max_tokens=1,
+                                   rec=CallRecord(0, 0, "c", 0, False, 0.0, 0.0, 0.0))
+            warm = await chat_call(client, srv.base_url, "default", msgs(), max_tokens=output,
+                                   rec=CallRecord(0, 0, "w", 0, False, 0.0, 0.0, 0.0))
+            if not (cold.ok and warm.ok):
+                raise RuntimeError(f"calibration request failed: {cold.error or warm.error}")
+            cold_t.append(cold.ttft_s)
+            warm_t.append(warm.ttft_s)
+            warm_lat.append(warm.latency_s)
+        rec_s = max(min(cold_t) - min(warm_t), 1e-6)
+        call = min(warm_lat)
+        row = [n, rec_s, call, rec_s / call]
+        log(f"  {n} fixed tokens: recompute {rec_s * 1e3:.0f} ms, call {call * 1e3:.0f} ms, "
+            f"ratio {row[3]:.2f}")
+        return row
+
+    async def main() -> RegimeCalibration:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=600.0, trust_env=False) as client:
+            await chat_call(client, srv.base_url, "default", [{"role": "user", "content": "warm up"}],
+                            max_tokens=4, rec=CallRecord(0, 0, "x", 0, False, 0.0, 0.0, 0.0))
+            rows = [await probe(client, n) for n in sorted(p for p in probes if p <= max_fixed)]
+            ratio = _fit_ratio(rows)
+            capped = ratio(max_fixed) < target_ratio
+            if capped:
+                n = max_fixed
+            else:
+                lo, hi = 64.0, float(max_fixed)
+                for _ in range(40):
+                    mid = (lo + hi) / 2
+                    lo, hi = (mid, hi) if ratio(mid) < target_ratio else (lo, mid)
+                n = int(min(max_fixed, max(64, round(hi / 64) * 64)))
+            final = await probe(client, n)
+            return RegimeCalibration(model=model, target_ratio=target_ratio, fixed=n,
+                                     ratio_at_fixed=final[3], recompute_s=final[1], call_s=final[2],
+                                     probes=rows + [final], capped=capped)
+    with srv:
+        return asyncio.run(main())

@@ -82,6 +82,8 @@ class PeerOptions:
     max_tokens: int = 48
     seed: int = 0
     framework: str = "langgraph"  # or "autogen": the GraphFlow version of the same example
+    hints: str = "on"             # on | none | random | reversed | stale (see hint_modes)
+    hint_lag: int = 2
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -137,9 +139,10 @@ class CallCapture:
                 self.measured = False
 
             def on_chat_model_start(self, serialized, messages, *, run_id: UUID, metadata=None, **kw):
+                from examples.peer_financial_qa.usage import agent_of
+
                 with self.lock:
-                    self.runs[run_id] = (str((metadata or {}).get("langgraph_node") or "?"),
-                                         time.perf_counter())
+                    self.runs[run_id] = (agent_of(metadata), time.perf_counter())
 
             def on_llm_error(self, error, *, run_id: UUID, **kw):
                 with self.lock:
@@ -201,7 +204,7 @@ class PeerApp:
         except Exception as e:  # noqa: BLE001 — recorded; the benchmark goes on
             out, err = {}, f"{type(e).__name__}: {e}"
         dt = time.perf_counter() - t0
-        self.result.rounds.append(RoundRecord(wf_index, 0, measured, t0, dt))
+        self.result.rounds.append(RoundRecord(wf_index, 0, measured, t0, dt, trial=wf_index))
         if measured:
             self.result.measured_s += dt
         self.answers.append({"question": q.id, "measured": measured, "seconds": dt, "error": err,
@@ -225,6 +228,25 @@ def run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, pol
                    progress: Optional[Callable[[str, int], Any]] = None, keep_raw: bool = False,
                    log: Callable[[str], Any] = lambda s: None) -> list[PolicyResult]:
     check_available()
+    from kvflow_agents.context import set_hint_transform
+
+    from .hint_modes import HintMangler
+
+    # wrong / missing hints on purpose (--hints): every hint the adapter sends passes through
+    set_hint_transform(None if opts.hints == "on" else HintMangler(opts.hints, seed=opts.seed,
+                                                                   lag=opts.hint_lag))
+    try:
+        return _run_peer_bench(questions, warmup, opts, policies, server, base_url=base_url,
+                               model=model, api_key=api_key, progress=progress, keep_raw=keep_raw,
+                               log=log)
+    finally:
+        set_hint_transform(None)
+
+
+def _run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, policies: Sequence[str],
+                    server: Optional[ServerConfig], *, base_url: Optional[str], model: str,
+                    api_key: Optional[str], progress: Optional[Callable[[str, int], Any]],
+                    keep_raw: bool, log: Callable[[str], Any]) -> list[PolicyResult]:
     counters: dict[str, Optional[dict]] = {}
     apps: dict[str, PeerApp] = {}
 

@@ -6,10 +6,23 @@ Ratios use the workflow latency (one round of the workflow, or one PEER question
 ``vs oracle = latency(policy) / latency(oracle)`` (1.0 = the physical limit; lower is better).
 They are given for the median (p50) and the mean; targets are judged on the median, which a
 noisy neighbour on a shared machine moves least (the mean-based ratios are printed too).
+
+**Achievable saving** (:func:`saving_ratios`): ``(baseline - policy) / (baseline - oracle)`` of
+the workflow latency, i.e. the share of the time the oracle saves over a baseline (lru or
+hicache) that the policy saves too (1.0 = all of it). Besides the pooled value it is computed per
+trial (per PEER question), pairing the policies' runs of the same trial, and the spread (min,
+median, max) is reported: a ratio of differences is noisy, and the spread says how much. The
+same ratio on the **cache cost** (:func:`annotate_cache_cost`: recomputed tokens x the calibrated
+recompute time per token + exposed load time, from counters) is printed beside it: it does not
+move with the machine's load, so on a shared box it says what the policy achieved.
+
+The terminal table fits 80 columns (short row names, one number per cell); ``wide=True`` adds
+every row (per-tier match split, tokens, mean-based ratios). ``--json`` has all of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -24,17 +37,23 @@ MEAN_KEY = "workflow_latency_mean_s"
 class Target:
     policy: str
     baseline: str
-    op: str          # ">=" speedup vs baseline, or "<=" latency ratio vs baseline (oracle)
+    op: str          # ">=" speedup vs baseline, "<=" latency ratio vs baseline (oracle), or
+                     # "saving>=" share of the oracle's saving over the baseline
     value: float
 
     def describe(self) -> str:
+        if self.op == "saving>=":
+            return f"{self.policy} saves >= {self.value:g} of the oracle's saving over {self.baseline}"
         return (f"{self.policy} >= {self.value:g}x {self.baseline}" if self.op == ">=" else
                 f"{self.policy} <= {self.value:.2f}x {self.baseline} latency")
 
 
+SAVING_TARGETS = (Target("kvflow", "lru", "saving>=", 0.95), Target("kvflow", "hicache", "saving>=", 0.95))
 WORKFLOW_TARGETS = (Target("kvflow", "lru", ">=", 3.0), Target("kvflow", "hicache", ">=", 1.3),
-                    Target("kvflow", "oracle", "<=", 1.10))
-PEER_TARGETS = (Target("kvflow", "lru", ">=", 1.15),)
+                    Target("kvflow", "oracle", "<=", 1.10), *SAVING_TARGETS)
+PAPER_TARGETS = (Target("kvflow", "hicache", ">=", 1.8), *SAVING_TARGETS)   # paper: 1.83x hicache
+PEER_TARGETS = (Target("kvflow", "lru", ">=", 1.15), Target("kvflow", "hicache", ">=", 1.0),
+                *SAVING_TARGETS)
 
 
 def _lat(results: dict[str, PolicyResult], p: str, key: str = LATENCY_KEY) -> Optional[float]:
@@ -58,27 +77,122 @@ def ratios(results: Sequence[PolicyResult], key: str = LATENCY_KEY) -> dict[str,
     return out
 
 
+BASELINES = ("lru", "hicache")
+
+
+def _saving(base: Optional[float], me: Optional[float], oracle: Optional[float]) -> Optional[float]:
+    """``(base - me) / (base - oracle)``; ``None`` when a value is missing or the oracle saves
+    nothing over the baseline (then there is no saving to capture)."""
+    if not (base and me and oracle) or base - oracle <= 0:
+        return None
+    return (base - me) / (base - oracle)
+
+
+def _trials(r: Optional[PolicyResult]) -> dict:
+    return {int(t): v for t, v in ((r.workload.get("workflow_latency_trials_s") or []) if r else [])}
+
+
+def _spread(xs: Sequence[float]) -> dict:
+    from statistics import median
+
+    xs = sorted(xs)
+    return {"min": xs[0], "median": median(xs), "max": xs[-1]} if xs else {"min": None, "median": None,
+                                                                             "max": None}
+
+
+def saving_ratios(results: Sequence[PolicyResult]) -> dict[str, dict[str, dict]]:
+    """Per policy (not lru, not the oracle) and baseline (lru, hicache; not itself):
+    ``ratio`` (pooled p50s), ``ratio_mean`` (pooled means), ``trials`` ([trial, ratio] from each
+    trial's p50s, policies paired per trial) and their ``min`` / ``median`` / ``max``."""
+    by = {r.policy: r for r in results}
+    if "oracle" not in by:
+        return {}
+    out: dict[str, dict[str, dict]] = {}
+    o_tr = _trials(by["oracle"])
+    for r in results:
+        if r.policy in ("oracle", "lru"):   # lru is the floor every baseline improves on
+            continue
+        row = {}
+        for base in BASELINES:
+            if base not in by or base == r.policy:
+                continue
+            b_tr, me_tr = _trials(by[base]), _trials(r)
+            per = [[t, v] for t in sorted(set(b_tr) & set(me_tr) & set(o_tr))
+                   if (v := _saving(b_tr[t], me_tr[t], o_tr[t])) is not None]
+            row[base] = {"ratio": _saving(_lat(by, base), _lat(by, r.policy), _lat(by, "oracle")),
+                         "ratio_mean": _saving(_lat(by, base, MEAN_KEY), _lat(by, r.policy, MEAN_KEY),
+                                               _lat(by, "oracle", MEAN_KEY)),
+                         "trials": per, **_spread([v for _, v in per])}
+        if row:
+            out[r.policy] = row
+    return out
+
+
+def annotate_cache_cost(results: Sequence[PolicyResult], meta: dict) -> Optional[float]:
+    """Set each policy's ``cache_cost_s``: the time its cache decisions cost, from counters
+    rather than clocks (so a noisy neighbour does not move it): recomputed prompt tokens x the
+    calibrated recompute seconds per token + load time requests were exposed to (the server's
+    ``load_exposed_s``). Returns the seconds per token used (``None``: no calibration)."""
+    cal = meta.get("calibration") or {}
+    if not cal.get("recompute_s") or not cal.get("prefix_tokens"):
+        return None
+    spt = cal["recompute_s"] / cal["prefix_tokens"]
+    for r in results:
+        w = r.workload
+        if w.get("miss_rate") is None or not w.get("prompt_tokens"):
+            continue
+        exposed = (r.server or {}).get("load_exposed_s") or 0.0
+        w["cache_cost_s"] = w["miss_rate"] * w["prompt_tokens"] * spt + exposed
+    return spt
+
+
+def cost_saving(results: Sequence[PolicyResult]) -> dict[str, dict[str, Optional[float]]]:
+    """The achievable saving on ``cache_cost_s`` (counter-based; see :func:`annotate_cache_cost`)."""
+    by = {r.policy: r.workload.get("cache_cost_s") for r in results}
+    if by.get("oracle") is None:
+        return {}
+    out: dict = {}
+    for r in results:
+        if r.policy in ("oracle", "lru") or by.get(r.policy) is None:
+            continue
+        out[r.policy] = {b: (None if by.get(b) is None or by[b] - by["oracle"] <= 0 else
+                             (by[b] - by[r.policy]) / (by[b] - by["oracle"]))
+                         for b in BASELINES if b != r.policy and b in by}
+    return out
+
+
 def check_targets(results: Sequence[PolicyResult], targets: Sequence[Target]) -> list[dict]:
     rat, mrat = ratios(results), ratios(results, MEAN_KEY)
+    sav = saving_ratios(results)
     key = lambda t: f"speedup_vs_{t.baseline}" if t.op == ">=" else f"latency_vs_{t.baseline}"  # noqa: E731
     out = []
     for t in targets:
-        v = rat.get(t.policy, {}).get(key(t))
-        vm = mrat.get(t.policy, {}).get(key(t))
-        met = None if v is None else (v >= t.value if t.op == ">=" else v <= t.value)
-        met_mean = None if vm is None else (vm >= t.value if t.op == ">=" else vm <= t.value)
-        out.append({"target": t.describe(), "measured": v, "met": met, "measured_mean": vm,
-                    "met_on_mean": met_mean})
+        extra: dict = {}
+        if t.op == "saving>=":
+            s = sav.get(t.policy, {}).get(t.baseline, {})
+            v, vm = s.get("ratio"), s.get("ratio_mean")
+            extra = {"trial_min": s.get("min"), "trial_max": s.get("max")}
+        else:
+            v = rat.get(t.policy, {}).get(key(t))
+            vm = mrat.get(t.policy, {}).get(key(t))
+        ok = (lambda x: x <= t.value) if t.op == "<=" else (lambda x: x >= t.value)
+        out.append({"target": t.describe(), "kind": "saving" if t.op == "saving>=" else "ratio",
+                    "measured": v, "met": None if v is None else ok(v), "measured_mean": vm,
+                    "met_on_mean": None if vm is None else ok(vm), **extra})
     return out
 
 
 def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Target] = (),
             raw: bool = False) -> dict:
+    spt = annotate_cache_cost(results, meta)
     return {**meta, "policies": {r.policy: r.as_dict(raw=raw) for r in results},
+            "cache_cost_recompute_s_per_token": spt, "saving_cache_cost": cost_saving(results),
             "ratio_basis": LATENCY_KEY,
             "ratios": ratios(results), "ratios_mean": ratios(results, MEAN_KEY),
             "ttft_ratios": ratios(results, "ttft_mean_s"),
-            "targets": check_targets(results, targets)}
+            "saving": saving_ratios(results),
+            "targets": check_targets(results, targets),
+            "target_specs": [dataclasses.asdict(t) for t in targets]}
 
 
 # ------------------------------------------------------------------------------ table
@@ -95,13 +209,31 @@ def _fmt(v: Any, kind: str) -> str:
         return f"{v:.2f}x"
     if kind == "int":
         return f"{int(v)}"
+    if kind == "f2":
+        return f"{v:.2f}"
     return str(v)
 
 
-def rows(results: Sequence[PolicyResult]) -> list[tuple[str, list[str]]]:
+def _range(xs: Sequence[Optional[float]], kind: str) -> str:
+    """``lo-hi`` in at most 11 characters (seconds >= 10 with one decimal)."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    if kind == "s" and max(xs) >= 10:
+        lo, hi = f"{min(xs):.1f}", f"{max(xs):.1f}"
+    else:
+        lo, hi = _fmt(min(xs), kind), _fmt(max(xs), kind)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, list[str]]]:
+    """The table's rows. Narrow (``wide=False``): short names, one value per cell, so the table
+    fits 80 columns with four policies; wide: every row."""
     rat = ratios(results)
     mrat = ratios(results, MEAN_KEY)
     trat = ratios(results, "ttft_mean_s")
+    sav = saving_ratios(results)
+    csav = cost_saving(results)
 
     def w(key, kind):
         return [_fmt(r.workload.get(key), kind) for r in results]
@@ -109,76 +241,120 @@ def rows(results: Sequence[PolicyResult]) -> list[tuple[str, list[str]]]:
     def s(key, kind):
         return [_fmt((r.server or {}).get(key), kind) for r in results]
 
-    out = [
-        ("workflow latency p50 (s)", w("workflow_latency_p50_s", "s")),
-        ("workflow latency mean (s)", w("workflow_latency_mean_s", "s")),
-        ("workflow latency p90 (s)", w("workflow_latency_p90_s", "s")),
+    def saving(base, what):
+        vals = []
+        for r in results:
+            x = sav.get(r.policy, {}).get(base)
+            if not x:
+                vals.append("-")
+            elif what == "ratio":
+                vals.append(_fmt(x["ratio"], "f2"))
+            else:
+                vals.append(_range([x["min"], x["max"]], "f2") if x["trials"] else "-")
+        return vals
+
+    trial_p50 = [_range([v for _, v in (r.workload.get("workflow_latency_trials_s") or [])], "s")
+                 for r in results]
+    pf = [f"{_fmt((r.server or {}).get('prefetch_used'), 'int')}/"
+          f"{_fmt((r.server or {}).get('prefetch_issued'), 'int')}" if r.server else "-" for r in results]
+    narrow = [
+        ("workflow p50 (s)", w("workflow_latency_p50_s", "s")),
+        ("workflow mean (s)", w("workflow_latency_mean_s", "s")),
+        ("workflow p90 (s)", w("workflow_latency_p90_s", "s")),
+        ("trial p50s (s)", trial_p50),
         ("TTFT mean (ms)", w("ttft_mean_s", "ms")),
+        ("after 1st token (ms)", w("after_first_token_mean_s", "ms")),
+        ("call mean (ms)", w("call_latency_mean_s", "ms")),
+        ("hit device (usage)", w("device_hit_rate", "%")),
+        ("hit host (usage)", w("host_hit_rate", "%")),
+        ("recomputed (usage)", w("miss_rate", "%")),
+        ("load hidden (s)", s("load_hidden_s", "s")),
+        ("load exposed (s)", s("load_exposed_s", "s")),
+        ("load wait (s)", w("load_wait_s", "s")),
+        ("prefetch used/issued", pf),
+        ("demand loads", s("demand_loads", "int")),
+        ("requests (errors)", [f"{r.workload.get('calls')} ({r.workload.get('errors')})" for r in results]),
+        ("speedup vs lru", [_fmt(rat[r.policy]["speedup_vs_lru"], "x") for r in results]),
+        ("speedup vs hicache", [_fmt(rat[r.policy]["speedup_vs_hicache"], "x") for r in results]),
+        ("latency vs oracle", [_fmt(rat[r.policy]["latency_vs_oracle"], "x") for r in results]),
+        ("saving vs lru", saving("lru", "ratio")),
+        ("  over trials", saving("lru", "range")),
+        ("saving vs hicache", saving("hicache", "ratio")),
+        ("  over trials", saving("hicache", "range")),
+        ("cache cost (s)", w("cache_cost_s", "s")),
+        ("cost saving vs lru", [_fmt(csav.get(r.policy, {}).get("lru"), "f2") for r in results]),
+        ("cost saving vs hicache", [_fmt(csav.get(r.policy, {}).get("hicache"), "f2") for r in results]),
+    ]
+    if not wide:
+        return narrow
+    return narrow + [
         ("TTFT p90 (ms)", w("ttft_p90_s", "ms")),
-        ("call latency mean (ms)", w("call_latency_mean_s", "ms")),
-        ("prompt hit: device (usage)", w("device_hit_rate", "%")),
-        ("prompt hit: host (usage)", w("host_hit_rate", "%")),
-        ("prompt recomputed (usage)", w("miss_rate", "%")),
         ("match: device / host / loading / miss", [
             " / ".join(_fmt((r.server or {}).get(f"{k}_rate"), "%") for k in ("device", "host", "loading", "miss"))
             if r.server else "-" for r in results]),
-        ("load hidden (s)", s("load_hidden_s", "s")),
-        ("load exposed (s)", s("load_exposed_s", "s")),
         ("load hidden fraction", s("load_hidden_fraction", "%")),
-        ("load wait in requests (s)", w("load_wait_s", "s")),
-        ("prefetch used / issued", [f"{_fmt((r.server or {}).get('prefetch_used'), 'int')} / "
-                                    f"{_fmt((r.server or {}).get('prefetch_issued'), 'int')}"
-                                    if r.server else "-" for r in results]),
-        ("demand loads", s("demand_loads", "int")),
-        ("requests (errors)", [f"{r.workload.get('calls')} ({r.workload.get('errors')})" for r in results]),
         ("prompt / output tokens", [f"{r.workload.get('prompt_tokens')} / {r.workload.get('completion_tokens')}"
                                     for r in results]),
-        ("speedup vs lru (p50)", [_fmt(rat[r.policy]["speedup_vs_lru"], "x") for r in results]),
-        ("speedup vs hicache (p50)", [_fmt(rat[r.policy]["speedup_vs_hicache"], "x") for r in results]),
-        ("latency vs oracle (p50)", [_fmt(rat[r.policy]["latency_vs_oracle"], "x") for r in results]),
         ("speedup vs lru / hicache (mean)", [
             f"{_fmt(mrat[r.policy]['speedup_vs_lru'], 'x')} / {_fmt(mrat[r.policy]['speedup_vs_hicache'], 'x')}"
             for r in results]),
         ("latency vs oracle (mean)", [_fmt(mrat[r.policy]["latency_vs_oracle"], "x") for r in results]),
+        ("saving vs lru / hicache (mean)", [
+            " / ".join(_fmt(sav.get(r.policy, {}).get(b, {}).get("ratio_mean"), "f2") for b in BASELINES)
+            for r in results]),
         ("TTFT speedup vs lru", [_fmt(trat[r.policy]["speedup_vs_lru"], "x") for r in results]),
     ]
-    return out
 
 
-def render_table(results: Sequence[PolicyResult], title: str):
+def render_table(results: Sequence[PolicyResult], title: str, wide: bool = False):
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=title, show_lines=False)
-    t.add_column("metric")
+    t = Table(title=title, show_lines=False, box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("metric", no_wrap=not wide, overflow="fold")
     for r in results:
-        t.add_column(r.policy, justify="right")
-    for name, vals in rows(results):
+        t.add_column(r.policy, justify="right", overflow="fold")
+    for name, vals in rows(results, wide=wide):
         t.add_row(name, *vals)
     return t
 
 
-def plain_table(results: Sequence[PolicyResult]) -> str:
+def plain_table(results: Sequence[PolicyResult], wide: bool = True) -> str:
     """The same table as Markdown (for RESULTS.md)."""
     head = "| metric | " + " | ".join(r.policy for r in results) + " |"
     sep = "|---|" + "---:|" * len(results)
-    body = ["| " + name + " | " + " | ".join(vals) + " |" for name, vals in rows(results)]
+    body = ["| " + name.strip() + " | " + " | ".join(vals) + " |" for name, vals in rows(results, wide)]
     return "\n".join([head, sep, *body])
 
 
-def print_report(console, results: Sequence[PolicyResult], *, title: str,
-                 targets: Sequence[Target] = ()) -> None:
-    console.print(render_table(results, title))
-    bound = ratios(results).get("oracle", {}).get("speedup_vs_lru")
-    if bound:
-        console.print(f"bound: oracle (unbounded device memory, no load ever) is {bound:.2f}x lru "
-                      f"(p50); no policy on this engine and workload can exceed that")
+def target_lines(results: Sequence[PolicyResult], targets: Sequence[Target]) -> list[str]:
+    """One plain line per judged target (short enough for an 80-column terminal)."""
+    out = []
     for t in check_targets(results, targets):
         if t["met"] is None:
             continue
-        mark = "[green]met[/]" if t["met"] else "[red]MISSED[/]"
-        mean = (f" (on the mean: {t['measured_mean']:.2f}x, {'met' if t['met_on_mean'] else 'missed'})"
+        unit = "" if t["kind"] == "saving" else "x"
+        mean = (f"; mean {t['measured_mean']:.2f}{unit} {'met' if t['met_on_mean'] else 'missed'}"
                 if t.get("measured_mean") is not None else "")
-        console.print(f"target {t['target']}: measured {t['measured']:.2f}x (p50) -> {mark}{mean}")
+        spread = (f"; trials {t['trial_min']:.2f}..{t['trial_max']:.2f}"
+                  if t.get("trial_min") is not None else "")
+        out.append(f"target {t['target']}: {t['measured']:.2f}{unit} (p50) -> "
+                   f"{'met' if t['met'] else 'MISSED'}{mean}{spread}")
+    return out
+
+
+def print_report(console, results: Sequence[PolicyResult], *, title: str,
+                 targets: Sequence[Target] = (), wide: bool = False) -> None:
+    console.print(render_table(results, title, wide=wide))
+    bound = ratios(results).get("oracle", {}).get("speedup_vs_lru")
+    if bound:
+        hb = ratios(results).get("oracle", {}).get("speedup_vs_hicache")
+        console.print(f"bound: the oracle (unbounded device memory, no load) is {bound:.2f}x lru"
+                      + (f", {hb:.2f}x hicache" if hb else "") + " (p50); no policy on this engine "
+                      "and workload can exceed that")
+    for line in target_lines(results, targets):
+        color = "green" if "-> met" in line else "red"
+        console.print(f"[{color}]{line}[/]", highlight=False)
 
 
 # ------------------------------------------------------------------------------ plot
@@ -191,7 +367,8 @@ def plot(results: Sequence[PolicyResult], path: str, title: str = "kvflow bench"
     names = [r.policy for r in results]
     colors = {"lru": "#999999", "hicache": "#4c72b0", "kvflow": "#dd8452", "oracle": "#55a868"}
     col = [colors.get(n, "#8172b3") for n in names]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    sav = saving_ratios(results)
+    fig, axes = plt.subplots(1, 4 if sav else 3, figsize=(17 if sav else 13, 4))
     lat = [r.workload.get(LATENCY_KEY) or 0 for r in results]
     ax = axes[0]
     bars = ax.bar(names, lat, color=col)
@@ -215,10 +392,36 @@ def plot(results: Sequence[PolicyResult], path: str, title: str = "kvflow bench"
     ax.set_title("prompt tokens by tier (%)")
     ax.set_ylim(0, 100)
     ax.legend(fontsize=8, loc="lower right")
+    if sav:
+        _plot_saving(axes[3], sav, colors)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_saving(ax, sav: dict, colors: dict) -> None:
+    """Achievable saving per policy and baseline, error bars = min..max over trials."""
+    pols = list(sav)
+    w = 0.38
+    for k, base in enumerate(BASELINES):
+        xs, ys, lo, hi = [], [], [], []
+        for i, p in enumerate(pols):
+            x = sav[p].get(base)
+            if not x or x["ratio"] is None:
+                continue
+            xs.append(i + (k - 0.5) * w)
+            ys.append(x["ratio"])
+            lo.append(x["ratio"] - (x["min"] if x["min"] is not None else x["ratio"]))
+            hi.append((x["max"] if x["max"] is not None else x["ratio"]) - x["ratio"])
+        if xs:
+            ax.bar(xs, ys, w, yerr=[[max(0, v) for v in lo], [max(0, v) for v in hi]], capsize=3,
+                   color="#999999" if base == "lru" else "#4c72b0", label=f"vs {base}")
+    ax.axhline(1.0, color="#55a868", lw=1, label="oracle")
+    ax.axhline(0.95, color="k", lw=0.8, ls="--", label="target 0.95")
+    ax.set_xticks(range(len(pols)), pols)
+    ax.set_title("share of the oracle's saving (bars: min..max over trials)", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -240,12 +443,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for path in (argv if argv is not None else sys.argv[1:]):
         with open(path) as f:
             doc = json.load(f)
-        print(plain_table(results_from_json(doc)))
-        for t in doc.get("targets") or []:
-            if t.get("measured") is not None:
-                print(f"\n- target {t['target']}: {t['measured']:.2f}x (p50) -> "
-                      f"{'met' if t['met'] else 'MISSED'}"
-                      + (f"; on the mean {t['measured_mean']:.2f}x" if t.get("measured_mean") else ""))
+        res = results_from_json(doc)
+        print(plain_table(res))
+        targets = [Target(**t) for t in doc.get("target_specs") or []]
+        lines = target_lines(res, targets) if targets else [
+            f"target {t['target']}: {t['measured']:.2f} (p50) -> {'met' if t['met'] else 'MISSED'}"
+            for t in doc.get("targets") or [] if t.get("measured") is not None]
+        for line in lines:
+            print(f"\n- {line}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -143,7 +143,13 @@ def summarize_workload(res: WorkloadResult) -> dict:
     def pct(xs, q):
         xs = sorted(xs)
         return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))] if xs else None
+    by_trial: dict[int, list[float]] = {}
+    for r in res.rounds:
+        if r.measured:
+            by_trial.setdefault(r.trial, []).append(r.latency_s)
     out.update({
+        # [trial, median workflow latency of that trial]: policies are paired per trial
+        "workflow_latency_trials_s": [[t, median(v)] for t, v in sorted(by_trial.items())],
         "workflow_latency_mean_s": mean(rounds) if rounds else None,
         "workflow_latency_p50_s": median(rounds) if rounds else None,
         "workflow_latency_p90_s": pct(rounds, 0.9),

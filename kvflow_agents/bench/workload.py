@@ -149,6 +149,8 @@ class WorkloadSpec:
     seed: int = 0
     share_prompts: bool = False   # all workflows use the same fixed prompts (one app)
     app: str = "kvflow-bench"
+    hints: str = "on"             # on | none | random | reversed | stale (see hint_modes)
+    hint_lag: int = 2             # --hints stale: STE map from this many requests earlier
 
     def validate(self) -> None:
         if self.variant not in VARIANTS:
@@ -161,6 +163,10 @@ class WorkloadSpec:
                 raise ValueError(f"{k}: must be >= 1")
         if self.warmup_rounds < 0:
             raise ValueError("warmup_rounds: must be >= 0")
+        from .hint_modes import check_mode
+        check_mode(self.hints)
+        if self.hint_lag < 1:
+            raise ValueError("hint_lag: must be >= 1")
 
     def agent_names(self) -> list[str]:
         if self.variant == "cycle":
@@ -265,6 +271,7 @@ class RoundRecord:
     measured: bool
     start: float
     latency_s: float
+    trial: int = 0                    # the unit policies are paired on (a trial; a PEER question)
 
 
 @dataclass
@@ -385,10 +392,14 @@ class WorkflowDriver:
         self.spec, self.base_url, self.model = spec, base_url, model
         self.prompts = Prompts(spec, counter, trial)
         self.graph = build_graph(spec)
+        from .hint_modes import HintMangler
+
         self.api_key = api_key
-        self.send_hints = hints
+        self.send_hints = hints and spec.hints != "none"
+        self.mangle = HintMangler(spec.hints, seed=spec.seed, lag=spec.hint_lag)
         self.stream = stream
         self.run_id = run_id or f"{int(time.time() * 1000) % 10**8}"
+        self.trial = trial
         self.on_call = on_call
         self.extra = extra    # added to every request body (e.g. an engine's report switches)
 
@@ -406,9 +417,11 @@ class WorkflowDriver:
                                         limits=limits_mod.Limits(max_connections=n,
                                                                  max_keepalive_connections=n))
 
-    async def run(self, between: Optional[Callable[[], Awaitable[None]]] = None) -> WorkloadResult:
+    async def run(self, between: Optional[Callable[[], Awaitable[None]]] = None,
+                  end: bool = True) -> WorkloadResult:
         """Warm-up rounds, then ``between()`` (e.g. snapshot server counters), then the measured
-        rounds, all workflows concurrently; a barrier separates the two phases."""
+        rounds, all workflows concurrently; a barrier separates the two phases. ``end=False``
+        leaves the workflows open (another client continues them)."""
         spec = self.spec
         result = WorkloadResult()
         trackers = [self.graph.tracker(self.workflow_id(w)) for w in range(spec.workflows)]
@@ -424,6 +437,8 @@ class WorkflowDriver:
                                    for w in range(spec.workflows)))
             result.measured_s = time.perf_counter() - t0
             for w, tr in enumerate(trackers):
+                if not end:
+                    break
                 tr.end()
                 if self.send_hints:
                     from kvflow_agents.protocol import Hints
@@ -433,11 +448,12 @@ class WorkflowDriver:
         return result
 
     def hints_for(self, tracker, w: int, agent: str):
+        """The hints this request carries: the tracker's, or their ``spec.hints`` corruption."""
         from kvflow_agents.protocol import Hints
 
-        return Hints(workflow=self.workflow_id(w), agent=agent, step=tracker.step,
-                     ste=tracker.ste(), next=tracker.next_agents(), app=self.spec.app,
-                     fixed_messages=1)
+        return self.mangle(Hints(workflow=self.workflow_id(w), agent=agent, step=tracker.step,
+                                 ste=tracker.ste(), next=tracker.next_agents(), app=self.spec.app,
+                                 fixed_messages=1))
 
     async def _rounds(self, client, tracker, w: int, r0: int, r1: int, measured: bool,
                       result: WorkloadResult) -> None:
@@ -452,7 +468,8 @@ class WorkflowDriver:
                 for a in group:
                     tracker.finish(a)
                 result.calls.extend(recs)
-            result.rounds.append(RoundRecord(w, rnd, measured, t0, time.perf_counter() - t0))
+            result.rounds.append(RoundRecord(w, rnd, measured, t0, time.perf_counter() - t0,
+                                             trial=self.trial))
 
     async def _call(self, client, tracker, w: int, rnd: int, agent: str, h, measured: bool) -> CallRecord:
         import kvflow_agents as kvflow
@@ -508,6 +525,8 @@ def summarize_calls(calls: Sequence[CallRecord]) -> dict:
         "server_ttft_mean_s": (mean([c.server_ttft_s for c in ok]) if ok and all(
             c.server_ttft_s is not None for c in ok) else None),
         "call_latency_mean_s": mean([c.latency_s for c in ok]) if ok else None,
+        # time a call spends after its first token (decode, streaming, client): what no cache saves
+        "after_first_token_mean_s": mean([c.latency_s - c.ttft_s for c in ok]) if ok else None,
         "prompt_tokens": prompt, "completion_tokens": sum(c.completion_tokens for c in ok),
         "cached_tokens": cached,
         "hit_rate": cached / prompt if prompt else None,

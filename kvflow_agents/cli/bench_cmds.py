@@ -32,6 +32,19 @@ def escape(text: str) -> str:
     return _escape(text)
 
 
+_HINTS_HELP = ("Hints sent: on (correct) | none | random | reversed | stale (wrong on purpose: "
+               "what does the server do with bad hints?).")
+
+
+def _hint_mode(mode: str) -> str:
+    from kvflow_agents.bench.hint_modes import check_mode
+
+    try:
+        return check_mode(mode)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--hints") from None
+
+
 def _round_page(n: float, page: int) -> int:
     return int(-(-int(n) // page) * page)
 
@@ -59,7 +72,7 @@ def _progress(enabled: bool, console):
 
 
 def _run_and_report(run, console, meta: dict, *, title: str, targets, progress: bool, raw: bool,
-                    json_out: Optional[str], plot_out: Optional[str]) -> None:
+                    json_out: Optional[str], plot_out: Optional[str], wide: bool = False) -> None:
     """Run a bench (``run(progress_hook, log)`` -> results), then table / JSON / plot; exit 3
     when a server did not start, 1 when any request failed."""
     from kvflow_agents.bench import report
@@ -72,19 +85,20 @@ def _run_and_report(run, console, meta: dict, *, title: str, targets, progress: 
         console.print(f"[red]error: a server did not start[/]\n{escape(str(e))}")
         raise typer.Exit(3) from None
     doc = report.to_json(meta, results, targets, raw=raw)
-    _emit(console, doc, results, title=title, targets=targets, json_path=json_out, plot_path=plot_out)
+    _emit(console, doc, results, title=title, targets=targets, json_path=json_out, plot_path=plot_out,
+          wide=wide)
     if any(r.workload.get("errors") for r in results):
         raise typer.Exit(1)
 
 
 def _emit(console, doc: dict, results, *, title: str, targets, json_path: Optional[str],
-          plot_path: Optional[str]) -> None:
+          plot_path: Optional[str], wide: bool = False) -> None:
     from kvflow_agents.bench import report
 
     if json_path == "-":
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
     else:
-        report.print_report(console, results, title=title, targets=targets)
+        report.print_report(console, results, title=title, targets=targets, wide=wide)
         if json_path:
             report.write_json(doc, json_path)
             console.print(f"[dim]JSON written to {json_path}[/]")
@@ -94,9 +108,59 @@ def _emit(console, doc: dict, results, *, title: str, targets, json_path: Option
             console.print(f"[dim]plot written to {plot_path}[/]")
 
 
+def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[int], device_fraction: float,
+                  host_tokens: Optional[int], page_size: int, host_link_gbps: Optional[float],
+                  load_fraction: float, lookahead: int, max_batch: int, console, meta: dict, regime=None,
+                  fixed_total: Optional[int] = None, calib_fixed: Optional[int] = None):
+    """The servers' pools and link for a synthetic workload (``meta`` gets them): device pool
+    ``device_fraction`` of the fixed prompts (at least one request), host 2x the working set,
+    link calibrated so a load costs ``load_fraction`` of a recompute."""
+    from kvflow_agents.bench.runner import ServerConfig
+    from kvflow_agents.bench.workload import fixed_prompt_tokens, request_tokens
+
+    fixed_total = fixed_total or fixed_prompt_tokens(spec, counter)
+    need = _round_page(request_tokens(spec), page_size) + page_size
+    dev = device_tokens if device_tokens is not None else max(
+        _round_page(device_fraction * fixed_total, page_size), need)
+    if dev < need:
+        raise typer.BadParameter(f"{dev} tokens cannot hold one request (~{need} tokens with "
+                                 f"fixed+dynamic+output)", param_hint="--device-tokens")
+    ws = fixed_total + spec.workflows * spec.calls_per_round * (spec.dynamic + spec.output + 32)
+    host = host_tokens if host_tokens is not None else max(8192, _round_page(2 * ws, page_size))
+    link = host_link_gbps
+    if link is None and any(p in ("hicache", "kvflow") for p in pols):
+        from kvflow_agents.bench.calibrate import calibrate_link
+
+        console.print(f"[dim]calibrating the emulated host link on {model} …[/]")
+        cal = calibrate_link(model, calib_fixed or spec.fixed, counter=counter, dynamic=spec.dynamic,
+                             page_size=page_size, load_fraction=load_fraction)
+        console.print(cal.describe())
+        meta["calibration"] = cal.as_dict()
+        link = cal.link_gbps
+        if regime is not None:  # the served recompute (what the bench's calls pay), not in-process
+            link = cal.prefix_tokens * cal.kv_bytes_per_token / (regime.recompute_s * load_fraction) / 1e9
+            meta["calibration"]["link_gbps_served"] = link
+            console.print(f"paper regime: link from the served recompute "
+                          f"({regime.recompute_s * 1e3:.0f} ms): --host-link-gbps {link:.4g}")
+    console.print(f"device pool {dev} tokens = {dev / fixed_total:.0%} of the {fixed_total} "
+                  f"fixed-prompt tokens; host pool {host} tokens; host link "
+                  + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
+    meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host,
+                      "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
+                      "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total}
+    return ServerConfig(model=model, device_tokens=dev, host_tokens=host, page_size=page_size,
+                        host_link_gbps=link, lookahead=lookahead, max_batch=max_batch)
+
+
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @bench_app.command("workflow")
     def workflow(
+        preset: Optional[str] = typer.Option(
+            None, help="paper: the paper's regime on this machine: 10-agent cycle, 32 dynamic / 32 "
+                       "output tokens, and the fixed prompt as long as it takes for recomputing it to "
+                       "weigh against a call as for Llama-3.1-8B on an A10G at 8,192 fixed tokens "
+                       "(calibrated on a served oracle; overrides --fixed/--dynamic/--output/--agents); "
+                       "link at load = 1/3 of that recompute."),
         agents: int = typer.Option(10, min=1, help="Agents in the workflow."),
         variant: str = typer.Option("cycle", help="cycle (agent_0 -> ... -> agent_N-1 -> agent_0) or "
                                                   "fanout (head -> N-2 parallel workers -AND-> tail -> head)."),
@@ -132,6 +196,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
         raw: bool = typer.Option(False, help="Include every request's record in the JSON."),
         seed: int = typer.Option(0, help="Seed of the generated prompts."),
+        hints: str = typer.Option("on", help=_HINTS_HELP),
+        hint_lag: int = typer.Option(2, min=1, help="--hints stale: STE map from this many requests earlier."),
+        wide: bool = typer.Option(False, help="Every table row (the default table fits 80 columns)."),
         progress: bool = typer.Option(True, help="Progress bars."),
         engine: str = typer.Option("embedded", help="embedded (kvflow serve) or sglang (stock SGLang "
                                    "0.5.23: lru = radix cache, hicache = + host tier, kvflow = + the "
@@ -148,9 +215,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from rich.console import Console
 
         from kvflow_agents.bench import report
-        from kvflow_agents.bench.runner import ServerConfig, run_workflow_bench
-        from kvflow_agents.bench.workload import (VARIANTS, WorkloadSpec, fixed_prompt_tokens,
-                                                  request_tokens, token_counter)
+        from kvflow_agents.bench.runner import run_workflow_bench
+        from kvflow_agents.bench.workload import VARIANTS, WorkloadSpec, fixed_prompt_tokens, token_counter
 
         if variant not in VARIANTS:
             raise typer.BadParameter(f"choose one of {', '.join(VARIANTS)}", param_hint="--variant")
@@ -164,11 +230,38 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
         if engine not in ("embedded", "sglang"):
             raise typer.BadParameter("choose embedded or sglang", param_hint="--engine")
+        if engine == "sglang" and preset is not None:
+            raise typer.BadParameter("--preset paper calibrates embedded servers; not with --engine sglang",
+                                     param_hint="--preset")
+        _hint_mode(hints)
         pols = _policies(policies)
         console = Console(stderr=json_out == "-")
+        regime = None
+        if preset is not None:
+            if preset != "paper":
+                raise typer.BadParameter("the only preset is 'paper'", param_hint="--preset")
+            if base_url:
+                raise typer.BadParameter("--preset paper calibrates embedded servers; not with --base-url",
+                                         param_hint="--preset")
+            from kvflow_agents.bench.calibrate import (PAPER_REGIME, choose_fixed_for_ratio,
+                                                       paper_recompute_ratio)
+            from kvflow_agents.bench.workload import token_counter as _tc
+
+            target = paper_recompute_ratio()
+            console.print(f"paper regime: on {target['profile']} recomputing {target['fixed']} fixed tokens "
+                          f"takes {target['recompute_s']:.2f} s, a call with them cached "
+                          f"{target['call_s']:.2f} s: ratio {target['ratio']:.2f}; finding the fixed "
+                          f"length with that ratio on {model} …")
+            agents, variant = 10, "cycle"
+            dynamic, output = PAPER_REGIME["dynamic"], PAPER_REGIME["output"]
+            regime = choose_fixed_for_ratio(model, _tc(model), target_ratio=target["ratio"], dynamic=dynamic,
+                                            output=output, page_size=page_size,
+                                            log=lambda t: console.print(f"[dim]{escape(t)}[/]"))
+            console.print(regime.describe())
+            fixed = regime.fixed
         spec = WorkloadSpec(agents=agents, variant=variant, fixed=fixed, dynamic=dynamic, output=output,
                             rounds=rounds, warmup_rounds=warmup_rounds, workflows=workflows, seed=seed,
-                            share_prompts=share_prompts)
+                            share_prompts=share_prompts, hints=hints, hint_lag=hint_lag)
         spec.validate()
         counter = token_counter(model if not base_url else (served_model or model))
         if engine == "sglang" and not base_url:
@@ -181,6 +274,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         fixed_total = fixed_prompt_tokens(spec, counter)
         meta: dict = {"bench": "workflow", "workload": spec.as_dict(), "policies_run": pols,
                       "tokenizer": counter.name, "fixed_prompt_tokens_total": fixed_total}
+        if regime is not None:
+            meta["preset"] = {"name": "paper", "target": target, "calibration": regime.as_dict()}
         server = None
         if base_url:
             console.print(f"measuring the running server at {base_url} (one column, 'external')")
@@ -198,43 +293,24 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 console.print(f"[red]error:[/] {escape(str(e))}")
                 raise typer.Exit(2) from None
         else:
-            need = _round_page(request_tokens(spec), page_size) + page_size
-            dev = device_tokens if device_tokens is not None else max(
-                _round_page(device_fraction * fixed_total, page_size), need)
-            if dev < need:
-                raise typer.BadParameter(f"{dev} tokens cannot hold one request (~{need} tokens with "
-                                         f"fixed+dynamic+output)", param_hint="--device-tokens")
-            ws = fixed_total + workflows * spec.calls_per_round * (dynamic + output + 32)
-            host = host_tokens if host_tokens is not None else max(8192, _round_page(2 * ws, page_size))
-            link = host_link_gbps
-            if link is None and any(p in ("hicache", "kvflow") for p in pols):
-                from kvflow_agents.bench.calibrate import calibrate_link
-
-                console.print(f"[dim]calibrating the emulated host link on {model} …[/]")
-                cal = calibrate_link(model, fixed, counter=counter, dynamic=dynamic,
-                                     page_size=page_size, load_fraction=load_fraction)
-                console.print(cal.describe())
-                meta["calibration"] = cal.as_dict()
-                link = cal.link_gbps
-            console.print(f"device pool {dev} tokens = {dev / fixed_total:.0%} of the {fixed_total} "
-                          f"fixed-prompt tokens; host pool {host} tokens; host link "
-                          + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
-            server = ServerConfig(model=model, device_tokens=dev, host_tokens=host, page_size=page_size,
-                                  host_link_gbps=link, lookahead=lookahead, max_batch=max_batch)
-            meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host,
-                              "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
-                              "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total}
+            server = _size_servers(spec, counter, model=model, pols=pols, device_tokens=device_tokens,
+                                   device_fraction=device_fraction, host_tokens=host_tokens,
+                                   page_size=page_size, host_link_gbps=host_link_gbps,
+                                   load_fraction=load_fraction, lookahead=lookahead, max_batch=max_batch,
+                                   console=console, meta=meta, regime=regime)
         meta["command"] = "kvflow bench workflow " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "workflow"] else [])
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"
-                 + (" on stock SGLang 0.5.23" if engine == "sglang" else ""))
+                 + (" on stock SGLang 0.5.23" if engine == "sglang" else "")
+                 + ("" if hints == "on" else f", hints: {hints}"))
         _run_and_report(
             lambda hook, log: run_workflow_bench(spec, pols, server, counter=counter, base_url=base_url,
                                                  model=served_model or model, api_key=api_key,
                                                  trials=trials, stream=stream, progress=hook,
                                                  keep_raw=raw, log=log),
-            console, meta, title=title, targets=report.WORKFLOW_TARGETS if not base_url else (),
-            progress=progress, raw=raw, json_out=json_out, plot_out=plot_out)
+            console, meta, title=title,
+            targets=() if base_url else report.PAPER_TARGETS if regime is not None else report.WORKFLOW_TARGETS,
+            progress=progress, raw=raw, json_out=json_out, plot_out=plot_out, wide=wide)
 
     @bench_app.command("peer")
     def peer(
@@ -265,6 +341,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
         raw: bool = typer.Option(False, help="Include every LLM call's record in the JSON."),
         seed: int = typer.Option(0, help="Sampling seed sent to the server."),
+        hints: str = typer.Option("on", help=_HINTS_HELP),
+        hint_lag: int = typer.Option(2, min=1, help="--hints stale: STE map from this many requests earlier."),
+        wide: bool = typer.Option(False, help="Every table row (the default table fits 80 columns)."),
         progress: bool = typer.Option(True, help="Progress bars."),
     ) -> None:
         """The PEER example (plan / parallel execute / express / review) as the workload."""
@@ -282,6 +361,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter("must be in (0, 10]", param_hint="--device-fraction")
         if not 0 < load_fraction <= 10:
             raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
+        _hint_mode(hints)
         pols = _policies(policies)
         console = Console(stderr=json_out == "-")
         from kvflow_agents.bench import peer as peer_bench
@@ -293,7 +373,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.Exit(2) from None
         opts = peer_bench.PeerOptions(questions=questions, ids=ids.split(",") if ids else None,
                                       warmup_questions=warmup_questions, jump=jump, max_rounds=max_rounds,
-                                      max_tokens=max_tokens, seed=seed, framework=framework)
+                                      max_tokens=max_tokens, seed=seed, framework=framework,
+                                      hints=hints, hint_lag=hint_lag)
         try:
             qs, warm = peer_bench.pick_questions(opts)
         except ValueError as e:
@@ -331,11 +412,223 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                               "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
                               "fixed_prompt_tokens": fixed_toks}
         meta["command"] = "kvflow bench peer " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "peer"] else [])
-        title = (f"kvflow bench peer: {len(qs)} question(s) ({', '.join(q.id for q in qs)}), {model}, "
-                 f"max_tokens {max_tokens}")
+        title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "
+                 f"{model}, max_tokens {max_tokens}" + ("" if hints == "on" else f", hints: {hints}"))
         _run_and_report(
             lambda hook, log: peer_bench.run_peer_bench(qs, warm, opts, pols, server, base_url=base_url,
                                                         model=served_model or model, api_key=api_key,
                                                         progress=hook, keep_raw=raw, log=log),
             console, meta, title=title, targets=report.PEER_TARGETS if not base_url else (),
-            progress=progress, raw=raw, json_out=json_out, plot_out=plot_out)
+            progress=progress, raw=raw, json_out=json_out, plot_out=plot_out, wide=wide)
+
+    @bench_app.command("engine")
+    def engine_cmd(
+        model: str = typer.Option("tiny-random", help="Model preset of the in-process engines."),
+        policies: str = typer.Option(_DEFAULT_POLICIES, help="Comma-separated: lru,hicache,kvflow,oracle."),
+        batch: str = typer.Option("1,8,32", help="Batch sizes (comma-separated): requests decoding at once."),
+        context: int = typer.Option(1024, min=16, help="Fixed system prompt per request (tokens)."),
+        steps: int = typer.Option(64, min=8, help="Decode steps per request."),
+        sink: str = typer.Option("asyncio", help="asyncio: stream every token to an event loop as "
+                                                 "`kvflow serve` does; direct: no-op sinks."),
+        cprofile: bool = typer.Option(False, help="Also cProfile the engine thread; print the top functions."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here ('-': stdout only)."),
+        plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
+        markdown: bool = typer.Option(False, help="Print the table as Markdown (every column)."),
+    ) -> None:
+        """Where a decode step goes: model forward vs the rest (cache, scheduler, sampling,
+        detokenise, sinks, engine loop), per policy and batch size, in-process."""
+        from rich.console import Console
+
+        from kvflow_agents.bench import engine_step
+
+        pols = _policies(policies)
+        try:
+            batches = sorted({int(x) for x in batch.split(",") if x.strip()})
+        except ValueError:
+            raise typer.BadParameter("expected comma-separated integers", param_hint="--batch") from None
+        if not batches or min(batches) < 1 or max(batches) > 256:
+            raise typer.BadParameter("batch sizes must be in [1, 256]", param_hint="--batch")
+        if sink not in engine_step.SINKS:
+            raise typer.BadParameter(f"choose one of {', '.join(engine_step.SINKS)}", param_hint="--sink")
+        console = Console(stderr=json_out == "-")
+        with console.status("measuring …") as status:
+            res = engine_step.run_engine_bench(
+                model=model, policies=pols, batches=batches, context=context, steps=steps,
+                cprofile=cprofile, sink_mode=sink,
+                progress=lambda s: status.update(f"measuring {s} …") if json_out != "-" else None)
+        summ = engine_step.summary(res)
+        doc = {"bench": "engine", "model": model, "context": context, "steps": steps, "sink": sink,
+               "command": "kvflow bench engine " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "engine"] else []),
+               "results": [r.as_dict() for r in res], "summary": summ}
+        title = (f"kvflow bench engine: {model}, {context}-token prompts, ms per decode step "
+                 f"(median), sinks: {sink}")
+        if json_out == "-":
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        else:
+            if markdown:
+                console.print(engine_step.markdown(res), highlight=False, soft_wrap=True)
+            else:
+                console.print(engine_step.render_table(res, title))
+            if "met" in summ:
+                worst = summ["batch1_rest_max_ms"]
+                console.print(f"target: rest <= {summ['rest_target_ms']} ms per step at batch 1 under every "
+                              f"policy: worst {worst:.3f} ms (spread {summ['batch1_rest_spread_ms']:.3f}) -> "
+                              + ("[green]met[/]" if summ["met"] else "[red]MISSED[/]"))
+            if cprofile:
+                for r in res:
+                    console.print(f"[bold]{r.policy} batch {r.batch}[/]: top functions (ms per step, calls)")
+                    for name, ms, calls in r.profile_top:
+                        console.print(f"  {ms:8.3f} {calls:8.1f}  {escape(name)}", highlight=False)
+            if json_out:
+                from kvflow_agents.bench import report
+
+                report.write_json(doc, json_out)
+                console.print(f"[dim]JSON written to {json_out}[/]")
+        if plot_out:
+            engine_step.plot(res, plot_out, title)
+
+    @bench_app.command("aiperf")
+    def aiperf_cmd(
+        workload: str = typer.Option("agentic", help="agentic: our agent cycle as AIPerf sessions (hints per "
+                                                     "--hints); multi-turn: AIPerf's own synthetic multi-turn "
+                                                     "conversations behind a shared system prompt (no hints)."),
+        hints: str = typer.Option("on", help=_HINTS_HELP + " (agentic only; multi-turn sends none)."),
+        hint_lag: int = typer.Option(2, min=1, help="--hints stale: STE map from this many requests earlier."),
+        agents: int = typer.Option(10, min=1, help="agentic: agents in the cycle."),
+        fixed: int = typer.Option(1024, min=1, help="agentic: fixed prompt tokens per agent."),
+        dynamic: int = typer.Option(32, min=1, help="agentic: dynamic tokens per call."),
+        output: int = typer.Option(16, min=1, help="Output tokens per call (both workloads)."),
+        rounds: int = typer.Option(2, min=1, help="agentic: measured rounds per workflow (AIPerf's)."),
+        warmup_rounds: int = typer.Option(1, min=0, help="agentic: warm-up rounds sent by our client first."),
+        workflows: int = typer.Option(2, min=1, help="Concurrent sessions (AIPerf --concurrency)."),
+        conversations: int = typer.Option(8, min=1, help="multi-turn: conversations in all."),
+        turns: int = typer.Option(5, min=1, help="multi-turn: turns per conversation."),
+        system_prompt: int = typer.Option(1024, min=1, help="multi-turn: shared system prompt tokens."),
+        isl: int = typer.Option(64, min=1, help="multi-turn: new user tokens per turn."),
+        trials: int = typer.Option(1, min=1, help="AIPerf runs per policy (policies interleaved)."),
+        policies: str = typer.Option(_DEFAULT_POLICIES, help="Comma-separated: lru,hicache,kvflow,oracle."),
+        model: str = typer.Option("tiny-random", help="Model preset for the embedded servers."),
+        device_tokens: Optional[int] = typer.Option(None, help="Device KV pool (tokens)."),
+        device_fraction: float = typer.Option(0.4, help="Default device pool as a fraction of the fixed prompts "
+                                                        "(multi-turn: of all conversations' contexts)."),
+        host_tokens: Optional[int] = typer.Option(None, help="Host KV pool (tokens)."),
+        page_size: int = typer.Option(16, min=1, help="Tokens per KV page."),
+        host_link_gbps: Optional[float] = typer.Option(None, help="Emulated host link (GB/s); default calibrated."),
+        load_fraction: float = typer.Option(1 / 3, show_default="1/3", help="Calibration: load / recompute."),
+        max_batch: int = typer.Option(16, min=1, help="Server max batch."),
+        aiperf_bin: Optional[str] = typer.Option(None, help="The aiperf executable (default: on PATH, else "
+                                                            "<--aiperf-venv>/bin/aiperf)."),
+        aiperf_venv: str = typer.Option(".venv-aiperf", help="AIPerf's own virtualenv (created when missing)."),
+        install: bool = typer.Option(True, help="Create --aiperf-venv with aiperf in it when aiperf is missing."),
+        keep: Optional[str] = typer.Option(None, help="Keep AIPerf's artifacts (per policy) in this directory."),
+        seed: int = typer.Option(0, help="Seed of the prompts (and AIPerf's --random-seed)."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here ('-': stdout only)."),
+        plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
+        markdown: bool = typer.Option(False, help="Print the table as Markdown."),
+    ) -> None:
+        """NVIDIA AIPerf (a client we did not write) against `kvflow serve`, one server per policy:
+        AIPerf's own metrics next to ours."""
+        import dataclasses
+        import tempfile
+        from pathlib import Path
+
+        from rich.console import Console
+
+        from kvflow_agents.bench import aiperf as ap
+        from kvflow_agents.bench import report
+        from kvflow_agents.bench.workload import WorkloadSpec, token_counter
+
+        if workload not in ap.WORKLOADS:
+            raise typer.BadParameter(f"choose one of {', '.join(ap.WORKLOADS)}", param_hint="--workload")
+        _hint_mode(hints)
+        pols = _policies(policies)
+        console = Console(stderr=json_out == "-")
+        try:
+            exe = ap.ensure_aiperf(aiperf_bin, aiperf_venv, install=install,
+                                   log=lambda s: console.print(f"[dim]{escape(s)}[/]"))
+        except ap.AIPerfUnavailable as e:
+            console.print(f"[red]error:[/] {escape(str(e))}")
+            raise typer.Exit(2) from None
+        counter = token_counter(model)
+        work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="kvflow-aiperf-"))
+        work.mkdir(parents=True, exist_ok=True)
+        tok_dir = ap.write_tokenizer(model, work / "tokenizer")
+        meta: dict = {"bench": "aiperf", "workload_kind": workload, "policies_run": pols, "aiperf": exe,
+                      "aiperf_version": ap.AIPERF_VERSION}
+        if workload == "agentic":
+            spec = WorkloadSpec(agents=agents, fixed=fixed, dynamic=dynamic, output=output, rounds=rounds,
+                                warmup_rounds=warmup_rounds, workflows=workflows, seed=seed, hints=hints,
+                                hint_lag=hint_lag)
+            spec.validate()
+            meta["workload"] = spec.as_dict()
+            server = _size_servers(spec, counter, model=model, pols=pols, device_tokens=device_tokens,
+                                   device_fraction=device_fraction, host_tokens=host_tokens,
+                                   page_size=page_size, host_link_gbps=host_link_gbps,
+                                   load_fraction=load_fraction, lookahead=1, max_batch=max_batch,
+                                   console=console, meta=meta)
+            title = (f"kvflow bench aiperf: cycle of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
+                     f"{workflows} session(s) x {rounds} round(s), {model}, hints: {hints}")
+        else:
+            # the "fixed prompt" is the shared system prompt; contexts grow with each turn
+            spec = WorkloadSpec(agents=1, fixed=system_prompt, dynamic=isl, output=output, rounds=turns,
+                                warmup_rounds=0, workflows=conversations, seed=seed, hints="none",
+                                share_prompts=True)
+            ctx = conversations * (system_prompt + turns * (isl + output + 16))
+            meta["workload"] = {"conversations": conversations, "turns": turns, "system_prompt": system_prompt,
+                                "isl": isl, "osl": output, "concurrency": workflows, "context_tokens": ctx}
+            server = _size_servers(spec, counter, model=model, pols=pols,
+                                   device_tokens=device_tokens or max(
+                                       _round_page(device_fraction * ctx, page_size),
+                                       workflows * _round_page(system_prompt + turns * (isl + output + 16) + 64,
+                                                               page_size)),
+                                   device_fraction=device_fraction, host_tokens=host_tokens or max(8192, 2 * ctx),
+                                   page_size=page_size, host_link_gbps=host_link_gbps,
+                                   load_fraction=load_fraction, lookahead=1, max_batch=max_batch,
+                                   console=console, meta=meta, fixed_total=ctx)
+            title = (f"kvflow bench aiperf: AIPerf multi-turn, {conversations} conversations x {turns} turns, "
+                     f"system {system_prompt} + {isl}/{output} tokens per turn, concurrency {workflows}, {model}")
+        run = ap.AIPerfRun(model=model, tokenizer=str(tok_dir), concurrency=workflows, workload=workload,
+                           conversations=conversations, turns=turns, system_prompt_tokens=system_prompt,
+                           isl=isl, osl=output, seed=seed)
+        shown = ap.AIPerfRun(**{**dataclasses.asdict(run), "input_dir": str(work / "data-POLICY-tTRIAL"),
+                                "request_count": workflows * rounds * agents if workload == "agentic" else None})
+        meta["aiperf_command"] = " ".join(shown.argv(exe, "http://127.0.0.1:PORT", str(work / "aiperf-POLICY-tTRIAL")))
+        meta["command"] = "kvflow bench aiperf " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "aiperf"] else [])
+        from kvflow_agents.bench.server import ServerStartError
+
+        try:
+            with console.status("running …") as status:
+                results = ap.run_aiperf_bench(
+                    aiperf_bin=exe, spec=spec, counter=counter, policies=pols, server=server, run=run,
+                    workdir=work, trials=trials, log=lambda s: console.print(f"[dim]{escape(s)}[/]"),
+                    progress=(lambda s: status.update(f"{s} …")) if json_out != "-" else None)
+        except ServerStartError as e:
+            console.print(f"[red]error: a server did not start[/]\n{escape(str(e))}")
+            raise typer.Exit(3) from None
+        except RuntimeError as e:
+            console.print(f"[red]error:[/] {escape(str(e))}")
+            raise typer.Exit(1) from None
+        finally:
+            if not keep:
+                import shutil
+
+                shutil.rmtree(work, ignore_errors=True)
+        doc = report.to_json(meta, results, ())
+        if json_out == "-":
+            sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+        else:
+            if markdown:
+                console.print(ap.markdown(results), highlight=False, soft_wrap=True)
+            else:
+                console.print(ap.render_table(results, title))
+            console.print(f"[dim]AIPerf command (per policy; the paths are a temporary directory unless "
+                          f"--keep): {escape(meta['aiperf_command'])}[/]")
+            if keep:
+                console.print(f"[dim]AIPerf artifacts kept in {keep}[/]")
+            if json_out:
+                report.write_json(doc, json_out)
+                console.print(f"[dim]JSON written to {json_out}[/]")
+        if plot_out:
+            report.plot(results, plot_out, title=title)
+        if any(r.workload.get("errors") for r in results):
+            raise typer.Exit(1)

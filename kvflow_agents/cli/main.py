@@ -26,12 +26,14 @@ app.add_typer(bench_app, name="bench")
 
 # One line per feature module; keep the list sorted by area.
 _COMMAND_MODULES = [
+    "kvflow_agents.cli.agent_cmds",
     "kvflow_agents.cli.graph_cmds",
     "kvflow_agents.cli.instrument_cmds",
     "kvflow_agents.cli.predict_cmds",
     "kvflow_agents.cli.serve_cmds",
     "kvflow_agents.cli.policy_cmds",
     "kvflow_agents.cli.bench_cmds",
+    "kvflow_agents.cli.reliability_cmds",
     "kvflow_agents.cli.cluster_cmds",
     "kvflow_agents.cli.sim_cmds",
 ]

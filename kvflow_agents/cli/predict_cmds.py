@@ -1,4 +1,9 @@
-"""``kvflow bench predict``: how well STE predicts the next agent, before and after learning."""
+"""``kvflow bench predict``: how well STE predicts the next agent, before and after learning.
+
+Traces come from a file (``--traces``), a synthetic Selector-like workflow (``--app selector``,
+the default) or a real ``langgraph-supervisor`` app run in process with scripted LLMs whose
+routing has a seeded structure (``--app supervisor``, :mod:`kvflow_agents.bench.predict_apps`):
+its runs are recorded by the LangGraph adapter's own tracker."""
 
 from __future__ import annotations
 
@@ -16,6 +21,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             None, "--traces", exists=True, dir_okay=False,
             help="JSONL traces to replay (graph + run lines, see kvflow_agents.graph.learned). "
                  "Default: seeded runs of a synthetic Selector-like workflow."),
+        app_kind: str = typer.Option("selector", "--app",
+                                     help="Without --traces: selector (synthetic Selector-like runs) or "
+                                          "supervisor (a real langgraph-supervisor app, scripted LLMs)."),
         agents: int = typer.Option(5, min=2, max=64, help="Synthetic: agents the router chooses among."),
         runs: int = typer.Option(400, min=2, help="Synthetic: number of runs."),
         skew: float = typer.Option(0.7, min=0.0, max=1.0,
@@ -45,10 +53,25 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         )
         from kvflow_agents.graph.learned import write_traces as _write
 
+        if app_kind not in ("selector", "supervisor"):
+            raise typer.BadParameter("must be selector or supervisor", param_hint="--app")
         try:
             if traces is not None:
                 graphs, all_runs = read_traces(traces)
                 source = str(traces)
+            elif app_kind == "supervisor":
+                try:
+                    from kvflow_agents.bench.predict_apps import supervisor_traces
+                except ImportError as e:
+                    raise typer.BadParameter(f"needs the [langgraph] extra ({e})", param_hint="--app") from None
+                from rich.progress import Progress
+
+                with Progress(transient=True) as prog:
+                    task = prog.add_task("running the supervisor app", total=runs)
+                    graphs, all_runs = supervisor_traces(runs, seed=seed, skew=skew,
+                                                         progress=lambda n: prog.advance(task, n))
+                source = (f"langgraph-supervisor app (3 ReAct workers, scripted LLMs): {runs} runs, "
+                          f"routing skew {skew}, seed {seed}")
             else:
                 graphs, all_runs = synthetic_selector_traces(agents, runs, seed=seed, skew=skew)
                 source = f"synthetic selector: {agents} agents, {runs} runs, skew {skew}, seed {seed}"

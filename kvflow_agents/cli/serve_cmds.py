@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -34,8 +34,37 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         max_prefill_tokens: int = typer.Option(1024, min=1, help="Prompt tokens prefilled per scheduler step (chunked prefill)."),
         max_tokens_default: int = typer.Option(256, "--default-max-tokens", min=1,
                                                help="max_tokens when a request gives none."),
-        api_key: Optional[str] = typer.Option(None, envvar="KVFLOW_API_KEY",
-                                              help="Require this key (Authorization: Bearer) on every endpoint."),
+        api_key: Optional[List[str]] = typer.Option(
+            None, envvar="KVFLOW_API_KEY",
+            help="Require this key (Authorization: Bearer) on every endpoint. Repeat for several "
+                 "keys: each key is a tenant (its workflows are its own; fair cache share)."),
+        api_keys_file: Optional[str] = typer.Option(
+            None, help="Tenants and their keys: a JSON object {\"name\": \"key\"} or 'name key' lines."),
+        tenant_header: Optional[str] = typer.Option(
+            None, help="When apps share a key: this request header's value names the tenant "
+                       "(e.g. x-kvflow-tenant). Trust it only as far as the key's holders."),
+        client_cap: str = typer.Option(
+            "fair", help="Device cache one tenant's hints may protect: 'fair' (pool / active "
+                         "tenants; no cap with one tenant), 'off', a token count, or a fraction "
+                         "of the device pool (0.5)."),
+        served_model_name: Optional[List[str]] = typer.Option(
+            None, help="Model name(s) clients must send (repeatable; default: the model's name). "
+                       "Other names get 404, as from OpenAI."),
+        max_body_bytes: int = typer.Option(8 * 1024 * 1024, min=1024, help="Largest request body (413 above)."),
+        max_prompt_tokens: Optional[int] = typer.Option(
+            None, min=1, help="Longest prompt in tokens (default: what the device pool holds). "
+                              "Longer text is refused before it is fully tokenized."),
+        max_json_depth: int = typer.Option(64, min=4, help="Deepest JSON nesting accepted (400 above)."),
+        timeout_headers: float = typer.Option(10.0, help="Seconds a connection may take to send a "
+                                              "request's headers (slow clients are closed)."),
+        timeout_read: float = typer.Option(30.0, help="Seconds a request body may take to arrive (408)."),
+        max_workflows: int = typer.Option(10_000, min=1, help="Hint registry bound: workflows "
+                                          "(beyond it the oldest quiet ones are forgotten)."),
+        max_agents_per_workflow: int = typer.Option(1024, min=1, help="Hint registry bound: agents per workflow."),
+        max_hint_agents: int = typer.Option(262_144, min=1, help="Hint registry bound: agents in all."),
+        deterministic: bool = typer.Option(
+            False, "--deterministic", help="Batch-invariant decoding: greedy output does not depend on "
+            "what else is batched (costs throughput; see README 'Reliability')."),
         lease_s: float = typer.Option(60.0, help="Seconds a quiet workflow's hints stay in force."),
         log_level: str = typer.Option("info", help="debug | info | warning | error."),
         record: Optional[str] = typer.Option(None, help="Append one JSON line per finished request "
@@ -55,8 +84,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                          param_hint="--model-path")
             argv = ["--model-path", model_path, "--host", host, "--port", str(port),
                     "--page-size", str(page_size), "--log-level", log_level]
-            if api_key:
-                argv += ["--api-key", api_key]
+            if api_keys_file:  # tenants: the plugin's endpoints check the keys (serving/tenancy.py)
+                argv += ["--kvflow-api-keys-file", api_keys_file]
+            elif api_key:
+                argv += ["--api-key", api_key[0]]
+            if tenant_header:
+                argv += ["--kvflow-tenant-header", tenant_header]
             raise typer.Exit(serve_sglang(argv + list(ctx.args)))
         if engine != "embedded":
             raise typer.BadParameter(f"unknown engine {engine!r}; choose embedded or sglang", param_hint="--engine")
@@ -68,6 +101,21 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter("cpu or cuda", param_hint="--device")
         if host_link_gbps is not None and host_link_gbps <= 0:
             raise typer.BadParameter("must be > 0", param_hint="--host-link-gbps")
+        if timeout_headers <= 0 or timeout_read <= 0:
+            raise typer.BadParameter("timeouts must be > 0", param_hint="--timeout-headers/--timeout-read")
+        keys: dict = {}
+        if api_keys_file:
+            from kvflow_agents.serving.tenancy import load_keys_file
+            try:
+                keys = load_keys_file(api_keys_file)
+            except (OSError, ValueError) as e:
+                raise typer.BadParameter(str(e), param_hint="--api-keys-file") from None
+        from kvflow_agents.serving.tenancy import Tenancy, key_tenant_name
+        keys.update({key_tenant_name(k): k for k in api_key or () if k})
+        try:
+            tenancy = Tenancy(keys, tenant_header)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--api-key/--api-keys-file") from None
 
         import logging
         import time
@@ -75,6 +123,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         import uvicorn
 
         from kvflow_agents.serving.embedded.engine import Engine, EngineConfig
+        from kvflow_agents.serving.embedded.limits import ServerLimits, guarded_h11_protocol
         from kvflow_agents.serving.embedded.server import create_app
 
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -82,7 +131,17 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
                            lease_s=lease_s, default_max_tokens=max_tokens_default,
-                           max_prefill_tokens=max_prefill_tokens, record_path=record)
+                           max_prefill_tokens=max_prefill_tokens, record_path=record,
+                           max_prompt_tokens=max_prompt_tokens, client_cap=client_cap,
+                           max_workflows=max_workflows, max_agents_per_workflow=max_agents_per_workflow,
+                           max_hint_agents=max_hint_agents, deterministic=deterministic,
+                           served_model_name=served_model_name[0] if served_model_name else None)
+        limits = ServerLimits(max_body_bytes=max_body_bytes, max_json_depth=max_json_depth,
+                              timeout_headers_s=timeout_headers, timeout_read_s=timeout_read)
+        try:
+            cfg.validate()
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
         t0 = time.perf_counter()
         eng = Engine(cfg)
         url = f"http://{host}:{port}/v1"
@@ -93,9 +152,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"{host_tokens if eng.policy.host_tier else 0} tokens, page {page_size}; "
                    f"host link: {link}; lookahead {lookahead}; max batch {max_batch}")
         typer.echo(f"  OpenAI base URL: {url}   (KVFlow: {url[:-3]}/kvflow/v1/cache, /metrics)"
-                   + ("   [API key required]" if api_key else ""))
+                   + (f"   [API key required; {len(keys)} tenant(s)]" if keys else "")
+                   + ("   [deterministic]" if deterministic else ""))
         try:
-            uvicorn.run(create_app(eng, api_key=api_key), host=host, port=port,
-                        log_level=log_level.lower(), timeout_graceful_shutdown=5)
+            app = create_app(eng, tenancy, limits=limits, model_aliases=served_model_name or ())
+            uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=5,
+                        http=guarded_h11_protocol(limits))
         finally:
             eng.shutdown()

@@ -63,14 +63,15 @@ def _bar(total: int, label: str, enabled: bool, console):
         yield lambda desc="": prog.update(task, advance=1, description=f"{label} {desc}")
 
 
-def _run_policies(prof, wl, pols, console, progress: bool, **kw):
+def _run_policies(prof, wl, pols, console, progress: bool, workflow_admission: bool = False, **kw):
     from kvflow_agents.serving.sim import Simulator
 
     out = {}
     with _bar(len(pols), "simulating", progress, console) as step:
         for p in pols:
             try:
-                out[p] = Simulator(prof, wl, p, **kw).run()
+                out[p] = Simulator(prof, wl, p, workflow_admission=workflow_admission and p == "kvflow",
+                                   **kw).run()
             except ValueError as e:
                 raise typer.BadParameter(str(e)) from None
             step(p)
@@ -113,6 +114,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         page_size: int = typer.Option(64, min=1, help="Tokens per KV page."),
         lookahead: int = typer.Option(1, min=0, help="Prefetch lookahead (STE)."),
         layerwise: bool = typer.Option(True, help="Layer-wise overlap of on-demand loads (HiCache)."),
+        workflow_admission: bool = typer.Option(
+            False, help="kvflow only: when the pending workflows' working sets exceed the pool, admit "
+                        "whole workflows (oldest first) while they fit; the others wait."),
         policies: str = typer.Option(_POLICIES, help="Comma-separated policies."),
         seed: int = typer.Option(0, help="Seed (PEER token lengths)."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write results as JSON ('-': stdout only)."),
@@ -146,7 +150,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter(str(e)) from None
         console = Console(stderr=json_out == "-")
         res = _run_policies(prof, wl, pols, console, progress and json_out != "-", lookahead=lookahead,
-                            layerwise=layerwise)
+                            layerwise=layerwise, workflow_admission=workflow_admission)
         title = f"kvflow sim run: {wl.name} on {prof.name} (link {prof.link_gbps} GB/s)"
         _report_run(console, res, wl, prof, title, json_out, plot_out)
 
@@ -157,6 +161,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         json_out: Optional[str] = typer.Option(None, "--json", help="Write results as JSON ('-': stdout only)."),
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
         markdown: Optional[str] = typer.Option(None, help="Write the tables as Markdown here."),
+        wide: bool = typer.Option(False, help="Every column (the default tables fit 80 columns)."),
         progress: bool = typer.Option(True, help="Progress bar."),
     ) -> None:
         """The paper's figure configurations: lru, hicache, kvflow, oracle; paper ratio vs ours."""
@@ -179,7 +184,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             paper.run_figures(figs, progress=step)
         sums = [paper.figure_summary(f) for f in figs]
         if json_out != "-":
-            for t in report.paper_tables(sums):
+            for t in report.paper_tables(sums, wide=wide):
                 console.print(t)
         _emit(console, {"source": paper.PAPER_SRC, "figures": sums}, json_out)
         if markdown:
@@ -201,6 +206,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         layerwise: bool = typer.Option(True, help="Layer-wise overlap of on-demand loads (HiCache)."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write results as JSON ('-': stdout only)."),
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Write the heatmaps (PNG) here."),
+        wide: bool = typer.Option(False, help="One table with all three metrics per cell (wider than 80 columns)."),
         progress: bool = typer.Option(True, help="Progress bar."),
     ) -> None:
         """Concurrency x bandwidth: hidden-load fraction, kvflow/hicache, hicache vs recompute."""
@@ -219,7 +225,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                              output=output, prefix_fraction=prefix_fraction, layerwise=layerwise,
                              progress=step)
         if json_out != "-":
-            console.print(report.sweep_table(sw))
+            for t in report.sweep_tables(sw, wide=wide):
+                console.print(t)
         _emit(console, sw, json_out)
         if plot_out:
             report.plot_sweep(sw, plot_out)

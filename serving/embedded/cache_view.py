@@ -12,13 +12,19 @@ loads read as ``device``). Sizes are in tokens, not pages, for a person debuggin
      "queue": {"waiting", "loading", "running"}, "loads_in_flight": 0,
      "link": {"emulated_gbps": 0.5 | null}, "metrics": {...}}
 
-``ste``/``priority`` ``null`` mean infinity (never again / not protected).
+``ste``/``priority`` ``null`` mean infinity (never again / not protected). With a ``tenant``
+(the server's tenancy), only that tenant's workflows are listed, under the ids it sent.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Optional
 
-def cache_report(engine) -> dict:
+
+def cache_report(engine, tenant: Optional[str] = None) -> dict:
+    from ..tenancy import visible_key
+
     mgr = engine.manager
     mgr.tick(engine.pool.now())
     snap = mgr.snapshot()
@@ -30,13 +36,20 @@ def cache_report(engine) -> dict:
                 **({"evictable_tokens": pool["evictable"] * ps} if "evictable" in pool else {})}
 
     def num(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
         return int(x) if isinstance(x, float) and x.is_integer() else x
 
     workflows: dict[str, dict] = {}
     for wf, info in snap["workflows"].items():
-        workflows[wf] = {"workflow": wf, **info, "agents": []}
+        name = visible_key(wf, tenant)
+        if name is not None:
+            workflows[wf] = {"workflow": name, **{k: num(v) for k, v in info.items()}, "agents": []}
     for a in snap["agents"]:
-        wf = workflows.setdefault(a["workflow"], {"workflow": a["workflow"], "agents": []})
+        name = visible_key(a["workflow"], tenant)
+        if name is None:
+            continue
+        wf = workflows.setdefault(a["workflow"], {"workflow": name, "agents": []})
         wf["agents"].append({"agent": a["agent"], "residency": a["residency"], "ste": num(a["ste"]),
                              "priority": num(a["priority"]), "tokens": a["tokens"],
                              "demoted": a["demoted"]})
@@ -47,7 +60,7 @@ def cache_report(engine) -> dict:
         "queue": engine.scheduler.counts(),
         "loads_in_flight": snap["loads_in_flight"],
         "link": {"emulated_gbps": engine.config.host_link_gbps},
-        "metrics": snap["metrics"],
+        "metrics": {k: num(v) for k, v in snap["metrics"].items()},
     }
 
 

@@ -12,7 +12,10 @@ Public API (thread-safe): ``Engine(config=None, *, loaded=None, **EngineConfig f
 ``submit(req)`` / ``abort(rid)`` (sink-based); ``update_hints(Hints)`` (out-of-band, incl.
 ``event="end"``); ``cache_report()`` (what ``/kvflow/v1/cache`` shows); ``stats()`` (non-blocking
 snapshot for metrics); ``call(fn)`` (run ``fn(engine)`` on the engine thread); ``shutdown()``.
-Sampling keywords: ``max_tokens, temperature, top_p, stop, seed, ignore_eos``.
+Sampling keywords: ``max_tokens, temperature, top_p, stop, seed, ignore_eos``, penalties,
+``logit_bias``, ``logprobs``/``top_logprobs``, ``grammar`` (a ``grammar.GrammarSpec``: JSON schema,
+tool-call structural tag...); ``chat(..., tools=[...])`` renders OpenAI tools into the prompt.
+Logits go through ``sampling.BatchSampler`` (one call per prefill/decode step).
 
 It owns the model, the tokenizer, the paged KV pools (:class:`~.kv_pool.PagedKVPool`, which is
 the policy core's ``KVTransferBackend``) and a :class:`~kvflow_agents.serving.policy.KVCacheManager`.
@@ -24,6 +27,26 @@ Threading invariants:
   :meth:`update_hints`, :meth:`call`; results come back through a per-request sink called on
   the engine thread (asyncio users get them via ``loop.call_soon_threadsafe``);
 - :meth:`stats` reads a snapshot the engine thread publishes, so /metrics never blocks a step.
+
+Failure isolation (one request never fails another):
+- :meth:`make_request` validates everything the engine would fail on (sampling values, the seed's
+  range, token ids, sizes: a prompt over ``max_prompt_tokens`` is refused from its length or a
+  bounded probe before it is fully tokenized), on the caller's thread, before submission;
+- inside a step, work on one request (poll, readiness, admission, prefill, sampling) runs under
+  :meth:`_guard`: an exception fails that request alone (finish reason ``error``, pages and pins
+  released); a batched decode or sampling call that raises is retried one sequence at a time,
+  so only the sequence that fails is failed; the engine thread catches everything else.
+
+Tenants: ``make_request(tenant=)`` / ``update_hints(hints, tenant)`` make the tenant the hints'
+*client* in the policy core; with ``client_cap="fair"`` each active tenant's hints protect at most
+device pool / active tenants (no cap while one tenant is active).
+
+Deterministic mode (``EngineConfig.deterministic``): batch-invariant decode kernels
+(``LlamaModel.decode_batch(invariant_rows=max_batch)``), prefill chunks that end at multiples of
+``deterministic_chunk`` (absolute positions, whatever shares the step's budget), prefix reuse
+aligned to those chunks (``session.admit(reuse_align=)``), and only prompt KV cached
+(decode-written KV is not bit-identical to a prefill's). Greedy output then depends on the
+request alone, not on batching or cache state.
 
 One scheduler step: first poll of new arrivals (hit, pin, start on-demand loads of host-only
 prefixes) → ``manager.tick()`` (finish due loads, start prefetches from the planner's plan) →
@@ -60,13 +83,32 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from kvflow_agents.serving.policy import CacheFullError
 
-from .engine_config import EngineConfig, EngineInputError, params_from_kwargs, sample_token
+from .engine_config import EngineConfig, EngineInputError, client_cap_pages, params_from_kwargs
 from .scheduler import (Completion, Request, RequestState, SamplingParams, Scheduler,
                         StreamEvent)
 
 __all__ = ["Engine", "EngineConfig", "EngineInputError", "Completion", "StreamEvent", "SamplingParams"]
 
 log = logging.getLogger("kvflow.engine")
+
+
+class _LoopSink:
+    """The sink of a request streamed to an asyncio loop (:meth:`Engine.stream`); the engine
+    batches its events per loop and step instead of calling it."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop, q) -> None:
+        self.loop, self.queue = loop, q
+
+    def __call__(self, ev) -> None:  # direct use (outside the engine thread's batching)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+
+
+def _deliver(items) -> None:
+    """On the event loop: put a step's events on their requests' queues, in order."""
+    for q, ev in items:
+        q.put_nowait(ev)
 
 
 class Engine:
@@ -107,6 +149,19 @@ class Engine:
         self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
                                    max_skip_s=cfg.max_skip_s)
         self.page_size = ps
+        self.manager.tags.hints.configure(max_workflows=cfg.max_workflows,
+                                          max_agents_per_workflow=cfg.max_agents_per_workflow,
+                                          max_agents=cfg.max_hint_agents,
+                                          forget_after_s=cfg.forget_after_s)
+        cap = client_cap_pages(cfg, dev_pages)
+        self._fair_share = cap == "fair"   # device pool / active tenants, once tenants appear
+        self._tenanted = False
+        if isinstance(cap, int):
+            self.manager.set_client_cap(cap)
+        from .grammar import GrammarBackend
+        from .sampling import BatchSampler
+        self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
+        self.sampler = BatchSampler(self.grammar)
         self._cuda = torch.device(cfg.device).type == "cuda"
         self._inbox: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._requests: dict[str, Request] = {}
@@ -114,8 +169,10 @@ class Engine:
         self._lock = threading.Lock()
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0,
-                         "hints_rejected": 0, "hints_accepted": 0, "steps": 0, "decode_steps": 0}
+                         "hints_rejected": 0, "hints_accepted": 0, "steps": 0, "decode_steps": 0,
+                         "step_failures": 0}
         self._snapshot: dict = {}
+        self._outbox: dict = {}            # event loop -> [(queue, event)] of this step
         self._published = 0.0
         self.recorder = None
         if cfg.record_path:
@@ -160,20 +217,32 @@ class Engine:
     def make_request(self, *, messages: Optional[Sequence[dict]] = None, prompt: Optional[str] = None,
                      prompt_ids: Optional[Sequence[int]] = None, params: Optional[SamplingParams] = None,
                      max_tokens: Optional[int] = None, hints: Any = None,
-                     sink: Optional[Callable[[StreamEvent], None]] = None) -> Request:
-        """Tokenize and validate (any thread). Raises :class:`EngineInputError`."""
+                     sink: Optional[Callable[[StreamEvent], None]] = None,
+                     tools: Optional[Sequence[dict]] = None, tenant: Optional[str] = None) -> Request:
+        """Tokenize and validate (any thread; the server calls it off its event loop), so a
+        request the engine would fail on is refused here, before it can share a step with
+        others. Raises :class:`EngineInputError`. ``tenant``: whose request it is (the client
+        its hints count against for fair shares)."""
         params = params or SamplingParams()
         if isinstance(hints, dict):  # the wire form (custom_params) is accepted too
             from kvflow_agents.protocol import Hints
             hints = Hints.from_custom_params(hints)
+        try:  # first, so a bad value costs no tokenizing
+            mt0 = params.max_tokens if params.max_tokens is not None else 1
+            dataclasses.replace(params, max_tokens=mt0).validate()
+        except ValueError as e:
+            raise EngineInputError(str(e), str(e).split(":")[0]) from None
+        limit = self.max_prompt_tokens
+        self._check_prompt_chars(messages, prompt, limit)
         fixed_len = None
         if messages is not None:
             try:
-                ids = self.tokenizer.encode_chat(list(messages))
+                ids = self.tokenizer.encode_chat(list(messages), tools=tools)
             except Exception as e:  # a template that rejects the conversation
                 raise EngineInputError(f"messages: cannot apply the chat template: {e}", "messages") from None
             if hints is not None and getattr(hints, "fixed_messages", None) is not None:
-                fixed_len = self.tokenizer.fixed_prefix_tokens(list(messages), hints.fixed_messages, ids)
+                fixed_len = self.tokenizer.fixed_prefix_tokens(list(messages), hints.fixed_messages, ids,
+                                                               tools=tools)
         elif prompt is not None:
             ids = self.tokenizer.encode(prompt)
         elif prompt_ids is not None:
@@ -186,11 +255,11 @@ class Engine:
             raise EngineInputError("prompt: empty after tokenization", "prompt")
         n = len(ids)
         cap = self.capacity_tokens
+        if n > limit:
+            raise EngineInputError(f"prompt is {n} tokens; this server holds at most {int(limit)} "
+                                   f"prompt tokens (device pool {cap} tokens, --device-tokens; "
+                                   f"--max-prompt-tokens)", "messages", "context_length_exceeded")
         limit = min(cap if cap is not None else math.inf, self.model_config.max_position)
-        if n >= limit:
-            raise EngineInputError(f"prompt is {n} tokens; this server holds at most {int(limit) - 1} "
-                                   f"prompt tokens (device pool {cap} tokens, --device-tokens)", "messages",
-                                   "context_length_exceeded")
         mt = max_tokens if max_tokens is not None else params.max_tokens
         if mt is None:
             mt = int(min(self.config.default_max_tokens, limit - n))
@@ -203,7 +272,78 @@ class Engine:
             raise EngineInputError(f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the capacity of "
                                    f"{int(limit)} tokens; lower max_tokens or raise --device-tokens",
                                    "max_tokens", "context_length_exceeded")
-        return Request(ids, params, sink or (lambda ev: None), hints=hints, fixed_len=fixed_len)
+        grammar = self._compile_grammar(params)
+        return Request(ids, params, sink or (lambda ev: None), hints=hints, fixed_len=fixed_len,
+                       grammar=grammar, tenant=tenant)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt accepted: one token short of the device pool / model context
+        (generation needs room), or ``EngineConfig.max_prompt_tokens`` if smaller."""
+        cap = self.capacity_tokens
+        limit = min(cap if cap is not None else math.inf, self.model_config.max_position) - 1
+        if self.config.max_prompt_tokens is not None:
+            limit = min(limit, self.config.max_prompt_tokens)
+        return int(limit)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Prompt text longer than this is over ``max_prompt_tokens`` whatever it says: no token
+        covers more than ``tokenizer.max_token_bytes`` bytes and a character is >= 1 byte."""
+        return self.max_prompt_tokens * self.tokenizer.max_token_bytes
+
+    PROBE_CHARS_PER_TOKEN = 4  # typical text; only decides how much to tokenize for the probe
+
+    def _check_prompt_chars(self, messages, prompt, limit: int) -> None:
+        """Refuse an oversized prompt before tokenizing all of it: by its length alone when no
+        tokenization could fit it, else when a probe of its first ``4 * limit`` characters
+        already holds more than ``limit`` tokens (tokenizing is the costly part, O(text))."""
+        if messages is not None:
+            texts = []
+            for m in messages:
+                c = m.get("content") if isinstance(m, dict) else None
+                if isinstance(c, str):
+                    texts.append(c)
+                elif isinstance(c, list):
+                    texts += [p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        elif isinstance(prompt, str):
+            texts = [prompt]
+        else:
+            return
+        chars = sum(map(len, texts))
+
+        def too_long(what: str) -> EngineInputError:
+            return EngineInputError(f"prompt is {what}; this server holds at most {limit} prompt "
+                                    "tokens (--max-prompt-tokens, --device-tokens)", "messages",
+                                    "context_length_exceeded")
+        if chars > self.max_prompt_chars:
+            raise too_long(f"{chars} characters")
+        window = self.PROBE_CHARS_PER_TOKEN * limit + 16
+        if chars <= window:
+            return
+        tokens = 0
+        for t in texts:
+            piece = t[:window]
+            # a cut can merge differently at the end: count one token less per piece
+            tokens += max(0, len(self.tokenizer.encode(piece)) - 1)
+            if tokens > limit:
+                raise too_long(f"over {limit} tokens long (counted in its first {window} characters)")
+            window -= len(piece)
+            if window <= 0:
+                return
+
+    def _compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled constraint of ``params.grammar`` (cached by xgrammar), or None."""
+        from .grammar import GrammarError
+
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise EngineInputError(f"logit_bias: token ids must be < {self.model_config.vocab_size}", "logit_bias")
+        if params.grammar is None:
+            return None
+        try:
+            return self.grammar.compile(params.grammar)
+        except GrammarError as e:
+            raise EngineInputError(str(e), e.param) from None
 
     # ================================================================ thread-safe API
     def submit(self, req: Request) -> str:
@@ -215,9 +355,9 @@ class Engine:
     def abort(self, rid: str) -> None:
         self._inbox.put(lambda: self._abort(rid))
 
-    def update_hints(self, hints: Any) -> None:
+    def update_hints(self, hints: Any, tenant: Optional[str] = None) -> None:
         """Out-of-band hints (``kvflow_event`` "transition" or "end"), applied between steps."""
-        self._inbox.put(lambda: self._apply_hints(hints, out_of_band=True))
+        self._inbox.put(lambda: self._apply_hints(hints, out_of_band=True, tenant=tenant))
 
     def note_hints(self, accepted: bool) -> None:
         with self._lock:
@@ -249,9 +389,9 @@ class Engine:
         return self._blocking(kw, hints, timeout, sampling)
 
     def chat(self, messages: Sequence[dict], *, hints: Any = None, timeout: Optional[float] = None,
-             **sampling) -> Completion:
-        """Blocking chat completion (the model's chat template is applied)."""
-        return self._blocking({"messages": messages}, hints, timeout, sampling)
+             tools: Optional[Sequence[dict]] = None, **sampling) -> Completion:
+        """Blocking chat completion (the model's chat template is applied, with ``tools``)."""
+        return self._blocking({"messages": messages, "tools": tools}, hints, timeout, sampling)
 
     def _blocking(self, kw: dict, hints, timeout, sampling: dict) -> Completion:
         done = threading.Event()
@@ -273,7 +413,7 @@ class Engine:
         events. Leaving the iteration early (client gone) aborts the request and frees its pages."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        req.sink = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+        req.sink = _LoopSink(loop, q)  # batched: one hand-off per loop per engine step
         self.submit(req)
         finished = False
         try:
@@ -300,22 +440,35 @@ class Engine:
     def _run(self) -> None:
         import torch
 
-        progress = True
+        progress, failed_steps = True, 0
         with torch.inference_mode():
             while not self._stop.is_set():
-                self._drain(0.0 if progress else self._idle_timeout())
-                if self._stop.is_set():
-                    break
                 try:
+                    self._drain(0.0 if progress else self._idle_timeout())
+                    if self._stop.is_set():
+                        break
                     progress = self._step()
-                except Exception:  # keep serving: fail what was running, log the cause
+                    failed_steps = 0
+                except Exception:  # noqa: BLE001 - the engine thread must survive anything
+                    # Failures a request causes are attributed to it inside the step (see
+                    # _fail); one that reaches here is the engine's own. Retry; only when the
+                    # step keeps failing are the running requests failed, so the queue moves.
                     log.exception("engine step failed")
-                    for r in list(self.scheduler.running):
-                        self._finish(r, "error", error="internal engine error")
+                    self.counters["step_failures"] += 1
+                    failed_steps += 1
                     progress = False
-                self._publish(force=not progress)
+                    if failed_steps >= 3:
+                        for r in list(self.scheduler.running):
+                            self._fail(r, "engine step", None)
+                        failed_steps = 0
+                try:
+                    self._flush_outbox()
+                    self._publish(force=not progress)
+                except Exception:  # noqa: BLE001 - delivery and metrics must not stop the engine
+                    log.exception("publishing engine events or stats failed")
         for r in list(self._requests.values()):
             self._finish(r, "abort", error="engine shut down")
+        self._flush_outbox()
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -330,11 +483,12 @@ class Engine:
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
+                self._flush_outbox()  # e.g. an abort's final event
                 return
 
     def _idle_timeout(self) -> float:
         """How long to sleep when nothing could run: until the next load lands (or 0.5 s)."""
-        nxt = self.manager.next_load_at
+        nxt = self.manager.next_event_at  # loads landing, tool-gap plans moving
         nxt = nxt() if callable(nxt) else nxt
         t = 0.5
         if nxt is not None:  # demand loads and prefetches alike
@@ -356,12 +510,15 @@ class Engine:
             if i >= sched.max_batch:
                 break
             if not req.session.looked:
-                self._poll(req)  # demand loads go on the link before this step's prefetches
+                # demand loads go on the link before this step's prefetches
+                self._guard(req, "cache lookup", self._poll, req)
                 progress = True
         rep = mgr.tick(self.pool.now())  # finish due loads, then plan + start prefetches
         progress |= bool(rep.loads_finished or rep.prefetches_started)
-        for req in sched.admission_plan(self._is_ready):
-            if not self._admit(req):
+        if rep.expired_workflows:
+            self._update_fair_share()
+        for req in sched.admission_plan(self._ready_guarded):
+            if self._guard(req, "admission", self._admit, req) is False:
                 break
             progress = True
         progress |= self._prefill()
@@ -370,17 +527,72 @@ class Engine:
             progress = True
         return progress
 
+    # -- failure isolation -------------------------------------------------------------------
+    # Invariant: an exception raised while working on one request fails that request only
+    # (its client gets the error, its pages and pins are released); the batch goes on.
+    def _guard(self, req: Request, what: str, fn: Callable, *args) -> Any:
+        """``fn(*args)``; if it raises, fail ``req`` alone and return None."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - attributed to this request
+            self._fail(req, what, e)
+            return None
+
+    def _ready_guarded(self, req: Request) -> bool:
+        return bool(self._guard(req, "readiness check", self._is_ready, req))
+
+    def _fail(self, req: Request, what: str, exc: Optional[BaseException]) -> None:
+        if req.state is RequestState.FINISHED:
+            return
+        if exc is not None:
+            log.error("%s failed for %s", what, req.rid, exc_info=exc)
+        msg = f"{what} failed for this request" + (f" ({type(exc).__name__})" if exc else "")
+        try:
+            self._finish(req, "error", error=msg)
+        except Exception:  # noqa: BLE001 - last resort: forget it, but answer its client
+            log.exception("cleaning up %s failed", req.rid)
+            self.scheduler.remove(req.rid)
+            self._requests.pop(req.rid, None)
+            req.state = RequestState.FINISHED
+            self.counters["finished"] += 1
+            self.counters["errors"] += 1
+            self._send(req, StreamEvent(req.rid, "", (), done=Completion(
+                id=req.rid, text="", token_ids=list(req.output_ids), finish_reason="error",
+                prompt_tokens=len(req.prompt_ids), cached_tokens=0, device_hit_tokens=0,
+                host_hit_tokens=0, computed_tokens=0, error=msg)))
+
     # -- per request ------------------------------------------------------------------------
     def _add(self, req: Request) -> None:
         self._requests[req.rid] = req
-        req.session = self.manager.arrive(  # merges its hints; reserves its pages (prefetch budget)
-            req.prompt_ids, req.hints, fixed_len=req.fixed_len,
-            kv_tokens=len(req.prompt_ids) + req.params.max_tokens - 1)
+        kv_tokens = len(req.prompt_ids) + req.params.max_tokens - 1
+        if req.tenant is not None:
+            self._tenanted = True
+        try:  # merges its hints; reserves its pages (prefetch budget)
+            req.session = self.manager.arrive(req.prompt_ids, req.hints, fixed_len=req.fixed_len,
+                                              kv_tokens=kv_tokens, client=req.tenant)
+        except Exception:  # noqa: BLE001 - hints are advisory: serve the request without them
+            log.exception("the hints of %s could not be applied", req.rid)
+            req.hints = None
+            req.session = self.manager.arrive(req.prompt_ids, None, kv_tokens=kv_tokens)
         self.scheduler.add(req)
+        if req.hints is not None:
+            self._update_fair_share()
 
-    def _apply_hints(self, h: Any, *, out_of_band: bool) -> None:
+    def _apply_hints(self, h: Any, *, out_of_band: bool, tenant: Optional[str] = None) -> None:
         """Out-of-band hints (a request's own come in with ``manager.arrive``)."""
-        self.manager.apply_hints(h)
+        if tenant is not None:
+            self._tenanted = True
+        self.manager.apply_hints(h, client=tenant)
+        self._update_fair_share()
+
+    def _update_fair_share(self) -> None:
+        """``client_cap="fair"``: each active tenant's hints protect at most device pool / n
+        pages (no cap while there is one), so one tenant's flood of urgent hints cannot evict
+        the others' prefixes. Untenanted use (no API keys) is never capped."""
+        if not (self._fair_share and self._tenanted):
+            return
+        n = self.manager.tags.hints.active_clients()
+        self.manager.set_client_cap(None if n <= 1 else max(1, self.manager.device.capacity // n))
 
     def _poll(self, req: Request) -> bool:
         """Ask the cache whether ``req`` can run now (the first poll records its hit, pins its
@@ -395,8 +607,9 @@ class Engine:
         return req.session.looked and self._poll(req)
 
     def _admit(self, req: Request) -> bool:
+        align = self.config.deterministic_chunk if self.config.deterministic else 1
         try:
-            if not req.session.admit():
+            if not req.session.admit(reuse_align=align):
                 return False  # wait for running requests to free memory (no overtaking)
         except CacheFullError:
             self._finish(req, "error", error="not enough device KV memory for this request")
@@ -416,32 +629,40 @@ class Engine:
         """Chunked prefill: at most ``max_prefill_tokens`` prompt tokens per step, oldest
         admitted first, so a long prompt does not stall the running decodes for seconds."""
         budget, did = self.config.max_prefill_tokens, False
+        det = self.config.deterministic_chunk if self.config.deterministic else None
         for req in list(self.scheduler.running):
             n = len(req.prompt_ids)
             if req.prefilled >= n:
                 continue
             if budget <= 0:
                 break
-            k = min(n - req.prefilled, budget)
+            if det:
+                # Deterministic: chunks end at multiples of ``det`` in absolute positions, so a
+                # request's prefill never depends on what else shares the step's budget; a chunk
+                # that does not fit waits for the next step (the first always runs).
+                k = min(n - req.prefilled, det - req.prefilled % det)
+                if k > budget and did:
+                    break
+            else:
+                k = min(n - req.prefilled, budget)
             budget -= k
             did = True
-            try:
-                if self._cuda:
-                    self.pool.wait_loads(req.pages)
-                t0 = time.perf_counter()
-                logits = self.model.prefill(self.pool.device_kv, req.prompt_ids[req.prefilled:req.prefilled + k],
-                                            req.pages, req.prefilled)
-                if self.config.recompute_aware:  # the recompute estimate of load-vs-recompute
-                    self.manager.observe_prefill(k, time.perf_counter() - t0)
-            except Exception as e:
-                log.exception("prefill failed for %s", req.rid)
-                self._finish(req, "error", error=f"prefill failed: {e}")
-                continue
-            req.prefilled += k
-            if req.prefilled == n:
-                req.session.commit()  # the prompt joins the tree; the fixed prefix is tagged
-                self._emit(req, sample_token(logits, req.params, req.generator))
+            self._guard(req, "prefill", self._prefill_chunk, req, k)
         return did
+
+    def _prefill_chunk(self, req: Request, k: int) -> None:
+        n = len(req.prompt_ids)
+        if self._cuda:
+            self.pool.wait_loads(req.pages)
+        t0 = time.perf_counter()
+        logits = self.model.prefill(self.pool.device_kv, req.prompt_ids[req.prefilled:req.prefilled + k],
+                                    req.pages, req.prefilled)
+        if self.config.recompute_aware:  # the recompute estimate of load-vs-recompute
+            self.manager.observe_prefill(k, time.perf_counter() - t0)
+        req.prefilled += k
+        if req.prefilled == n:
+            req.session.commit()  # the prompt joins the tree; the fixed prefix is tagged
+            self._emit(req, *self.sampler.sample(logits, [req])[0])
 
     def _ensure_device_capacity(self) -> None:
         """The oracle's page allocator grows; grow the device tensor to match."""
@@ -461,13 +682,29 @@ class Engine:
         seqs = [(r.output_ids[-1], r.pages, pos) for r, pos in zip(running, n0)]
         if self._cuda:
             self.pool.wait_loads()
-        logits = self.model.decode_batch(self.pool.device_kv, seqs)
         self.counters["decode_steps"] += 1
-        for i, r in enumerate(running):
-            self._emit(r, sample_token(logits[i], r.params, r.generator))
+        try:
+            picks = self.sampler.sample(self._decode_logits(seqs), running)
+        except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
+            log.exception("batched decode failed; retrying its %d sequences one by one", len(seqs))
+            picks = [self._guard(r, "decode", self._decode_one, r, sq) for r, sq in zip(running, seqs)]
+        for r, pick in zip(running, picks):
+            if pick is not None and r.state is RequestState.RUNNING:
+                self._guard(r, "sampling", self._emit, r, *pick)
 
-    def _emit(self, req: Request, tok: int) -> None:
+    def _decode_logits(self, seqs: list):
+        """One decode step for ``seqs`` (each writes only its own KV slot, so re-running a
+        subset after a failure is safe). Deterministic mode: batch-invariant kernels."""
+        rows = self.config.max_batch if self.config.deterministic else None
+        return self.model.decode_batch(self.pool.device_kv, seqs, invariant_rows=rows)
+
+    def _decode_one(self, req: Request, seq) -> tuple:
+        return self.sampler.sample(self._decode_logits([seq]), [req])[0]
+
+    def _emit(self, req: Request, tok: int, lp: Any = None) -> None:
         req.output_ids.append(tok)
+        if lp is not None:
+            req.logprobs.append(lp)
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
         text = req.detok.push(tok)
@@ -479,15 +716,32 @@ class Engine:
         if reason is not None:
             text += req.detok.finish()
         if text or reason is None:
-            self._send(req, StreamEvent(req.rid, text, (tok,)))
+            self._send(req, StreamEvent(req.rid, text, (tok,), logprobs=(lp,) if lp is not None else ()))
         if reason is not None:
             self._finish(req, reason)
 
     def _send(self, req: Request, ev: StreamEvent) -> None:
+        sink = req.sink
+        if type(sink) is _LoopSink:  # collected; _flush_outbox hands them over once per step
+            self._outbox.setdefault(sink.loop, []).append((sink.queue, ev))
+            return
         try:
-            req.sink(ev)
+            sink(ev)
         except Exception:  # e.g. the client's event loop is gone
             log.debug("sink of %s failed", req.rid, exc_info=True)
+
+    def _flush_outbox(self) -> None:
+        """One ``call_soon_threadsafe`` per event loop for everything this step produced (a
+        per-token hand-off wakes the loop, and takes the GIL from this thread, once per token
+        per request)."""
+        if not self._outbox:
+            return
+        box, self._outbox = self._outbox, {}
+        for loop, items in box.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: its clients are gone
+                log.debug("event loop closed; %d stream events dropped", len(items))
 
     def _abort(self, rid: str) -> None:
         req = self._requests.get(rid)
@@ -503,6 +757,8 @@ class Engine:
         s = req.session
         if s is not None:  # the tree keeps what was written (not after an error); pages freed
             written = req.prefilled + max(0, len(req.output_ids) - 1) if was_running else 0
+            if self.config.deterministic:  # decode-computed KV is not what a prefill would write
+                written = min(written, len(req.prompt_ids))
             s.finish(req.prompt_ids + req.output_ids, written, cache=reason != "error")
         req.state = RequestState.FINISHED
         now = time.monotonic()
@@ -514,7 +770,8 @@ class Engine:
             host_hit_tokens=s.host_hit if was_running else 0,
             computed_tokens=len(req.prompt_ids) - s.reused if was_running else 0,
             queue_s=(req.prefill_at or now) - req.arrival, load_wait_s=s.load_wait_s if s else 0.0,
-            ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival, error=error)
+            ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival, error=error,
+            logprobs=list(req.logprobs) if req.params.logprobs else None)
         c = self.counters
         c["finished"] += 1
         c["aborted"] += reason == "abort"
@@ -552,4 +809,5 @@ class Engine:
             "device_pages": {"capacity": mgr.device.capacity, "used": mgr.device.num_used},
             "host_pages": {"capacity": mgr.host.capacity, "used": mgr.host.num_used},
             "loads_in_flight": mgr.loads_in_flight, "cache": mgr.metrics.as_dict(),
+            "hints": mgr.tags.hints.stats(), "client_cap_pages": mgr.tags.client_cap_pages,
         }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .scheduler import SamplingParams
 
@@ -41,6 +41,19 @@ class EngineConfig:
     status_aware: Optional[bool] = None   # None = the policy's default (kvflow: on)
     served_model_name: Optional[str] = None
     record_path: Optional[str] = None     # JSONL trace of finished requests (kvflow sim replay)
+    max_prompt_tokens: Optional[int] = None  # None: what the device pool / model can hold
+    # Fairness between clients (tenants): "fair" = device pool / active tenants (no cap with
+    # one), "off", an int = tokens, a float in (0, 1] = share of the device pool.
+    client_cap: Union[str, int, float, None] = "fair"
+    # Hint registry bounds (serving/policy/hints.py): expired workflows are forgotten
+    # ``forget_after_s`` after their lease ends (None: one more lease).
+    max_workflows: int = 10_000
+    max_agents_per_workflow: int = 1024
+    max_hint_agents: int = 262_144
+    forget_after_s: Optional[float] = None
+    # Batch-invariant mode: greedy output does not depend on batching (see engine docstring).
+    deterministic: bool = False
+    deterministic_chunk: int = 256        # prefill chunk / prefix-reuse alignment (tokens)
 
     def validate(self) -> None:
         if self.page_size < 1 or self.device_tokens < self.page_size:
@@ -51,6 +64,55 @@ class EngineConfig:
             raise ValueError("host_link_gbps must be > 0")
         if self.max_batch < 1 or self.max_inflight_loads < 1:
             raise ValueError("max_batch and max_inflight_loads must be >= 1")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError("max_prompt_tokens must be >= 1")
+        if min(self.max_workflows, self.max_agents_per_workflow, self.max_hint_agents) < 1:
+            raise ValueError("max_workflows, max_agents_per_workflow, max_hint_agents must be >= 1")
+        c = self.deterministic_chunk
+        if c < self.page_size or c % self.page_size or c > 512:
+            raise ValueError("deterministic_chunk must be a multiple of page_size, at most 512")
+        client_cap_pages(self, 1)  # raises on a bad value
+
+
+def client_cap_pages(cfg: EngineConfig, device_pages: int) -> Union[str, int, None]:
+    """``EngineConfig.client_cap`` as the manager's ``client_cap_pages``: "fair", None or pages."""
+    v = cfg.client_cap
+    if v is None or v == "off":
+        return None
+    if v == "fair":
+        return "fair"
+    if isinstance(v, str):
+        try:
+            v = float(v) if "." in v else int(v)
+        except ValueError:
+            raise ValueError(f"client_cap: 'fair', 'off', tokens or a fraction, got {v!r}") from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise ValueError(f"client_cap: must be positive, got {v!r}")
+    if isinstance(v, float):
+        if v > 1:
+            raise ValueError(f"client_cap: a fraction must be in (0, 1], got {v!r}")
+        return max(1, int(device_pages * v))
+    return max(1, v // cfg.page_size)
+
+
+def sample_tokens(logits, params, generators) -> list[int]:
+    """One token per row of ``logits`` ``[B, vocab]``: the engine's one sampling call per step.
+    Greedy rows (``temperature == 0``) share a single ``argmax``; the others go through
+    :func:`sample_token` with their own generator."""
+    import torch
+
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    out: list[int] = [0] * len(params)
+    if len(greedy) == len(params):
+        return torch.argmax(logits, -1).tolist()
+    if greedy:
+        idx = torch.as_tensor(greedy, dtype=torch.long, device=logits.device)
+        for i, tok in zip(greedy, torch.argmax(logits.index_select(0, idx), -1).tolist()):
+            out[i] = tok
+    for i, p in enumerate(params):
+        if p.temperature != 0:
+            out[i] = sample_token(logits[i], p, generators[i])
+    return out
 
 
 def sample_token(logits, params: SamplingParams, generator) -> int:

@@ -13,7 +13,12 @@ scrape never waits for a model step. Names (all prefixed ``kvflow_``):
 - ``queue_depth{state=waiting|loading|running}``, ``loads_in_flight``,
   ``pool_pages{tier,kind=capacity|used}``, ``device_hit_rate``;
 - ``requests_total``, ``requests_finished_total{reason}``, ``tokens_total{kind}``,
-  ``hints_total{result=accepted|rejected}``.
+  ``hints_total{result=accepted|rejected}``, ``engine_step_failures_total`` (failures no single
+  request caused; request-caused ones finish that request with reason ``error``);
+- the hint registry's bounded state: ``hint_workflows{state=live|expired}``, ``hint_agents``,
+  ``hint_clients`` (tenants with a live workflow), ``hint_workflows_removed_total{reason=
+  forgotten|evicted|released}``, ``hint_agents_dropped_total``; ``client_cap_pages`` (the
+  per-tenant cap in force, 0 = none).
 """
 
 from __future__ import annotations
@@ -91,6 +96,20 @@ class EngineCollector:
             (["host", "used"], s["host_pages"]["used"])])
         yield gauge("device_hit_rate", "Prompt tokens found on device / all prompt tokens.",
                     m["device_hit_rate"])
+        yield counter("engine_step_failures", "Engine steps that failed for no single request.",
+                      c.get("step_failures", 0))
+        h = s.get("hints")
+        if h is not None:
+            yield gauge("hint_workflows", "Workflows in the hint registry.", labels=["state"],
+                        samples=[(["live"], h["live"]), (["expired"], h["expired"])])
+            yield gauge("hint_agents", "Agents held by the hint registry.", h["agents"])
+            yield gauge("hint_clients", "Clients (tenants) with a live workflow.", h["clients"])
+            yield counter("hint_workflows_removed", "Workflows removed from the hint registry.",
+                          labels=["reason"], samples=[([k], h[k]) for k in ("forgotten", "evicted", "released")])
+            yield counter("hint_agents_dropped", "Agents dropped over the per-workflow bound.",
+                          h["agents_dropped"])
+        yield gauge("client_cap_pages", "Device pages one client's hints may protect (0: no cap).",
+                    s.get("client_cap_pages") or 0)
 
 
 def make_registry(engine) -> CollectorRegistry:

@@ -43,10 +43,18 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings. ``temperature == 0`` means greedy; ``max_tokens=None`` lets the engine
-    pick (its ``default_max_tokens``, capped by what the device pool can hold)."""
+    pick (its ``default_max_tokens``, capped by what the device pool can hold).
+
+    Logits processing (``sampling.py``): ``frequency_penalty`` / ``presence_penalty`` (OpenAI,
+    -2..2, over the output), ``repetition_penalty`` (vLLM/SGLang, > 0, over prompt + output),
+    ``logit_bias`` ({token id: -100..100}); ``logprobs`` / ``top_logprobs`` (0..20) report the raw
+    distribution; ``grammar`` (a :class:`~.grammar.GrammarSpec`) constrains the output."""
 
     max_tokens: Optional[int] = None
     temperature: float = 0.0
@@ -54,6 +62,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: Optional[int] = None
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    grammar: Any = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad parameter."""
@@ -67,6 +82,26 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {p!r}")
         if len(self.stop) > 16 or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in self.stop):
             raise ValueError("stop: at most 16 non-empty strings of up to 256 characters")
+        sd = self.seed  # torch.Generator.manual_seed takes a 64-bit integer; OpenAI's is int64
+        if sd is not None and (isinstance(sd, bool) or not isinstance(sd, int) or not SEED_MIN <= sd <= SEED_MAX):
+            raise ValueError(f"seed: must be an integer in [{SEED_MIN}, {SEED_MAX}], got {sd!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise ValueError(f"{name}: must be between -2 and 2, got {v!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 2:
+            raise ValueError(f"repetition_penalty: must be in (0, 2], got {r!r}")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > 300 or not all(
+                    isinstance(k, int) and k >= 0 and isinstance(v, (int, float)) and -100 <= v <= 100
+                    for k, v in self.logit_bias.items()):
+                raise ValueError("logit_bias: at most 300 {token id: bias in -100..100} entries")
+        k = self.top_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:
+            raise ValueError(f"top_logprobs: must be an integer in 0..20, got {k!r}")
+        if k and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
 
 
 @dataclass
@@ -87,6 +122,7 @@ class Completion:
     ttft_s: float = 0.0
     latency_s: float = 0.0
     error: Optional[str] = None
+    logprobs: Optional[list] = None    # sampling.TokenLogprob per output token (logprobs=True)
 
     @property
     def completion_tokens(self) -> int:
@@ -107,6 +143,7 @@ class StreamEvent:
     text: str = ""
     token_ids: tuple[int, ...] = ()
     done: Optional[Completion] = None  # set on the last event
+    logprobs: tuple = ()               # sampling.TokenLogprob of token_ids (logprobs=True)
 
 
 Sink = Callable[[StreamEvent], None]
@@ -118,6 +155,7 @@ class Request:
     params: SamplingParams
     sink: Sink
     hints: Any = None                  # kvflow_agents.protocol.Hints or None
+    tenant: Optional[str] = None       # who sent it (the server's tenancy); the hints' client
     fixed_len: Optional[int] = None    # fixed-prefix tokens (from kvflow_fixed_messages)
     rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)
@@ -129,6 +167,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     detok: Any = None
     generator: Any = None
+    grammar: Any = None                # compiled constraint (xgrammar) of params.grammar
+    sampling: Any = None               # sampling.RequestSampling, made at the first token
+    logprobs: list = field(default_factory=list)
     skips: int = 0
     prefill_at: Optional[float] = None
     first_token_at: Optional[float] = None

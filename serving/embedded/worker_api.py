@@ -171,8 +171,11 @@ def worker_router(engine, state: WorkerState) -> APIRouter:
     return r
 
 
-def hint_only_response(engine, body: Any, headers: Mapping[str, str]) -> Optional[Response]:
-    """The answer to a hint-only completion, or ``None`` for an ordinary request."""
+def hint_only_response(engine, body: Any, headers: Mapping[str, str],
+                       tenant: Optional[str] = None) -> Optional[Response]:
+    """The answer to a hint-only completion, or ``None`` for an ordinary request. ``tenant``:
+    the caller's (its workflow ids are scoped to it, ``serving/tenancy.py``)."""
+    from ..tenancy import scope_hints
     from .openai_api import parse_hints
 
     if not isinstance(body, dict):
@@ -181,7 +184,7 @@ def hint_only_response(engine, body: Any, headers: Mapping[str, str]) -> Optiona
     if hints is None or hints.event is None:
         return None  # no event: an LLM request (a malformed hint is reported by it)
     engine.note_hints(True)
-    engine.update_hints(hints)
+    engine.update_hints(scope_hints(hints, tenant), tenant=tenant)
     return JSONResponse(
         {"id": f"cmpl-hint-{uuid.uuid4().hex[:12]}", "object": "text_completion",
          "created": int(time.time()), "model": engine.model_name, "system_fingerprint": None,

@@ -29,6 +29,8 @@ class Evictor:
     def _init_eviction(self) -> None:
         self._dev_heap: list = []
         self._host_heap: list = []
+        self.state_ver = 0                 # bumped on any node state / priority change
+        self._evictable_memo: dict = {}    # evictable_above results for the current state
         self.evict_floor: float | None = None  # set while a prefetch evicts (tests check M4)
 
     # ------------------------------------------------------------------ candidates
@@ -45,17 +47,27 @@ class Evictor:
 
     def evictable_above(self, ste: float) -> int:
         """Pages in unlocked device-resident nodes whose priority is strictly larger than
-        ``ste`` (what a prefetch for an agent of that STE may evict). O(nodes)."""
+        ``ste`` (what a prefetch for an agent of that STE may evict). O(nodes), memoised until
+        a node's state, lock or priority changes: a deferred prefetch re-checks its budget on
+        every tick, i.e. every decode step, which must not walk the tree each time."""
+        key = (ste, self.state_ver, self.evictable, self.device.num_free, self.tree.num_nodes)
+        hit = self._evictable_memo.get(key)
+        if hit is not None:
+            return hit
         prio = self.index.priority
         total = 0
         for n in self.tree.iter_nodes():
             if n.state is DEVICE and n.lock_ref == 0 and prio(n) > ste:
                 total += len(n.device_pages)
+        if len(self._evictable_memo) > 64:
+            self._evictable_memo.clear()
+        self._evictable_memo[key] = total
         return total
 
     # ------------------------------------------------------------------ heaps
     def _reindex(self, n: TreeNode) -> None:
         """(Re)enter ``n`` in the eviction heaps it is a candidate for, with its current key."""
+        self.state_ver += 1
         if n.parent is None:
             return
         dev = self.dev_candidate(n)
@@ -80,6 +92,7 @@ class Evictor:
             heapq.heapify(self._host_heap)
 
     def _on_priority_change(self, node: TreeNode, old: float, new: float) -> None:
+        self.state_ver += 1
         # Only candidates need a new heap entry; most tagged nodes have device children.
         if self.policy.uses_priority and (node.n_device_children == 0 or node.host_pages is not None):
             self._reindex(node)

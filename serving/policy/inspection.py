@@ -43,7 +43,9 @@ def agents_view(book, residency: Callable[[Any], str],
 
 
 def workflows_view(hints) -> dict:
-    return {wf: {"expired": w.expired, "step": w.step, "step_s": w.step_s, "client": w.client}
+    return {wf: {"expired": w.expired, "step": w.step, "step_s": w.step_s, "client": w.client,
+                 "trusted": w.trusted, "trust": round(w.trust, 3), "predictions": w.scored,
+                 "mispredicted": w.missed}
             for wf, w in hints.workflows.items()}
 
 
@@ -76,6 +78,10 @@ def check_invariants(mgr, *, priorities: bool = True) -> None:
     the tree's T1-T4, the store's M1-M2, the book's B1-B3, the tracker's L1."""
     store, book, loads = mgr.store, mgr.tags, mgr.loads
     tree, index, ps = store.tree, book.index, store.page_size
+    for ste in (0, 1, 2, math.inf):  # the memoised prefetch budget equals a fresh count
+        fresh = sum(len(n.device_pages) for n in tree.iter_nodes()
+                    if n.state is DEVICE and n.lock_ref == 0 and index.priority(n) > ste)
+        assert store.evictable_above(ste) == fresh, (ste, fresh)
     dev_seen: set[int] = set()
     host_seen: set[int] = set()
     evictable = 0

@@ -8,6 +8,8 @@ It wires the parts of the policy core together and forwards to them:
 - :class:`~.tags.TagBook` (``tags``): fixed-prefix tags, hints (leases), effective STE, the
   priority index, client caps, app-prefix memory, boundary inference;
 - :class:`~.prefetch.Prefetcher` (``prefetcher``): candidates -> budget -> planner -> start;
+- :class:`~.toolgap.ToolGaps` (``gaps``): resume tags for agents waiting on a tool
+  (``kvflow_tool_s`` hints), timed by the tool's expected duration;
 - :mod:`.inspection`: ``snapshot()``, ``check_invariants()``.
 
 Engines talk to it through per-request sessions (:mod:`.session`): ``arrive`` -> ``poll`` ->
@@ -46,6 +48,7 @@ from .prefetch import Prefetcher
 from .session import RequestSession
 from .store import PrefixMatch, PrefixStatus, TieredStore
 from .tags import AgentPrefix, TagBook
+from .toolgap import ToolGaps
 from .tree import TreeNode
 
 __all__ = ["KVCacheManager", "TickReport", "PrefixMatch", "PrefixStatus", "Load", "AgentPrefix"]
@@ -72,7 +75,8 @@ class KVCacheManager:
                  reserve_pages: "int | Callable[[], int] | None" = None,
                  reserve_window: int | None = None,
                  recompute_s_per_token: float | None = None,
-                 recompute_cost: Callable[[int, int], float] | None = None) -> None:
+                 recompute_cost: Callable[[int, int], float] | None = None,
+                 min_partial_prefetch_pages: int = 4) -> None:
         self.policy = get_policy(policy)
         self.page_size = page_size
         self.backend = backend if backend is not None else NullTransferBackend()
@@ -93,24 +97,29 @@ class KVCacheManager:
         self.prefetcher = Prefetcher(self.tags, self.loads, self.metrics, self.store,
                                      page_size=page_size, max_inflight=max_inflight_loads,
                                      default_step_s=default_step_s,
-                                     reserve=self._session_reserve if reserve_pages is None else reserve_pages)
+                                     reserve=self._session_reserve if reserve_pages is None else reserve_pages,
+                                     min_partial_pages=min_partial_prefetch_pages)
         self._waiting: dict[int, RequestSession] = {}   # arrival order
         self._running: dict[int, RequestSession] = {}
+        self.gaps = ToolGaps(self.tags, load_s=self._host_load_s)
 
     # ================================================================ sessions
     def arrive(self, tokens: Sequence[int], hints: Any = None, *, fixed_len: int | None = None,
-               kv_tokens: int | None = None) -> RequestSession:
+               kv_tokens: int | None = None, client: str | None = None) -> RequestSession:
         """A request arrived: merge its hints (prefetches are planned at the next ``tick``, so
-        its own demand load goes on the link first) and open its session."""
+        its own demand load goes on the link first) and open its session. ``client``: who sent
+        it (a tenant), for per-client caps; default the hints' app, else their workflow."""
         s = RequestSession(self, tokens, hints, fixed_len=fixed_len, kv_tokens=kv_tokens)
         if hints is not None:
-            self.apply_hints(hints, sender=True, plan=False)
+            self.gaps.arrived(hints.workflow, hints.agent, getattr(hints, "app", None), self.backend.now())
+            self.apply_hints(hints, sender=True, plan=False, client=client)
             s.tag = (workflow_key(hints.workflow, getattr(hints, "app", None)), hints.agent)
             self.prefetcher.hold(s.tag)  # its own request decides how its prefix comes back
         self._waiting[id(s)] = s
         return s
 
-    def apply_hints(self, hints: Any, *, sender: bool = False, plan: bool = True) -> list:
+    def apply_hints(self, hints: Any, *, sender: bool = False, plan: bool = True,
+                    client: str | None = None) -> list:
         """Merge one hints object (``workflow``, ``agent``, ``ste``, ``step``, ``app``,
         ``event``; e.g. :class:`kvflow_agents.protocol.Hints`). ``event == "end"`` releases the
         workflow. ``sender``: it came with a request of ``agent`` (STE 0 unless it says
@@ -118,9 +127,12 @@ class KVCacheManager:
         if getattr(hints, "event", None) == "end":
             self.release_workflow(hints.workflow, app=getattr(hints, "app", None))
             return []
+        tool_s = getattr(hints, "tool_s", None)
+        if tool_s:  # a tool step started: its waiting agents' last turns get resume tags
+            self.gaps.waiting(hints.workflow, getattr(hints, "app", None), dict(tool_s), self.backend.now())
         return self.update_hints(hints.workflow, dict(hints.ste), agent=hints.agent if sender else None,
                                  step=getattr(hints, "step", None), app=getattr(hints, "app", None),
-                                 plan=plan)
+                                 client=client, plan=plan)
 
     @property
     def waiting_sessions(self) -> list[RequestSession]:
@@ -144,6 +156,17 @@ class KVCacheManager:
         if self._waiting.pop(id(s), None) is not None and s.tag is not None:
             self.prefetcher.unhold(s.tag)
         self._running.pop(id(s), None)
+        h = s.hints
+        if h is not None and s.written:  # what its resumed turn would start with
+            self.gaps.finished(h.workflow, h.agent, getattr(h, "app", None), s.written)
+
+    def _host_load_s(self, node: Any) -> float:
+        """Link time to bring ``node``'s host-only path back (0 when it is on device)."""
+        if node is None:
+            return 0.0
+        pages = sum(len(n.host_pages) for n in node.path()
+                    if n.device_pages is None and n.host_pages is not None)
+        return self.estimate_load_s(pages) if pages else 0.0
 
     def _session_reserve(self) -> int:
         total, window = 0, self.reserve_window
@@ -160,6 +183,9 @@ class KVCacheManager:
         report = TickReport(now)
         report.loads_finished = self.store.poll_loads(now)
         report.expired_workflows = self.tags.expire(now)
+        for wf in self.tags.hints.drain_removed():  # forgotten or over the registry's bounds
+            self.release_workflow(wf)
+        self.gaps.tick(now)
         if self.policy.prefetch:
             report.prefetches_started = self._prefetch(now)
         return report
@@ -188,9 +214,14 @@ class KVCacheManager:
             return self._prefetch(now)
         return []
 
+    def set_client_cap(self, pages: int | None) -> None:
+        """Change the per-client cap (None: none) and re-apply it to every client."""
+        self.tags.set_client_cap(pages)
+
     def release_workflow(self, workflow: str, app: str | None = None) -> None:
         """The workflow ended: forget its hints and tags (its cache becomes ordinary LRU prey)."""
         dropped = self.tags.release(workflow, app)
+        self.gaps.release(workflow, app)
         for tag in dropped:
             self.loads.abandon(tag)
         self.prefetcher.forget(dropped)
@@ -338,6 +369,13 @@ class KVCacheManager:
         """When the earliest in-flight load lands (backend clock), or None: how long an idle
         scheduler may sleep before the next ``tick`` can make progress."""
         return self.loads.next_ready
+
+    @property
+    def next_event_at(self) -> float | None:
+        """The earliest of :attr:`next_load_at` and the next tool-gap plan change (a resume tag
+        turning near, or expiring): when an idle scheduler should ``tick`` next."""
+        times = [t for t in (self.loads.next_ready, self.gaps.next_change_at()) if t is not None]
+        return min(times) if times else None
 
     # ================================================================ inspection
     def snapshot(self) -> dict:

@@ -110,6 +110,10 @@ class PrefetchTarget(Protocol):
     """What the prefetcher asks of the engine's tree (our store, or the SGLang adapter)."""
 
     evicts: bool                      # a bounded device pool (else: no budget to check)
+    partial_prefetch: bool            # start_prefetch takes ``max_pages`` (load a head only)
+    # bumped on every node state / lock / priority change; None: the target cannot say, so
+    # the prefetcher re-plans on every tick instead of skipping unchanged ones
+    state_ver: int | None
 
     def host_pages(self, node) -> int:
         """Pages a load must bring for ``node``'s path to be readable; 0: nothing to load now
@@ -124,10 +128,11 @@ class PrefetchTarget(Protocol):
         """Device pages a prefetch for an agent of STE ``ste`` may evict (priority > ste)."""
         ...
 
-    def start_prefetch(self, candidate: PrefetchCandidate, now: float):
-        """Start loading ``candidate.node``'s host-only path, evicting only priorities >
-        ``candidate.ste``; return the tracker's :class:`~.loads.Load`, or None (no room / no
-        slot: retried at the next plan)."""
+    def start_prefetch(self, candidate: PrefetchCandidate, now: float, max_pages: int | None = None):
+        """Start loading ``candidate.node``'s host-only path (with ``max_pages``, where
+        ``partial_prefetch``: only its head), evicting only priorities > ``candidate.ste``;
+        return the tracker's :class:`~.loads.Load`, or None (no room / no slot: retried at
+        the next plan)."""
         ...
 
 
@@ -147,8 +152,12 @@ class Prefetcher:
 
     def __init__(self, book, loads, metrics, target: PrefetchTarget, *, page_size: int,
                  max_inflight: int = 4, default_step_s: float = 1.0,
-                 reserve: "int | Callable[[], int]" = 0) -> None:
+                 reserve: "int | Callable[[], int]" = 0, min_partial_pages: int = 4) -> None:
         self.book, self.loads, self.metrics, self.target = book, loads, metrics, target
+        # a prefetch that does not fit whole loads its head when at least this many pages fit
+        # (0: off): a prefix of a prefix is valid KV, so part of the load is hidden
+        self.min_partial_pages = min_partial_pages
+        self._idle_plan = None        # state signature of the last plan that started nothing
         self.page_size = page_size
         self.max_inflight = max_inflight
         self.default_step_s = default_step_s
@@ -201,8 +210,21 @@ class Prefetcher:
                                          hints.step_elapsed(wf, now), rec_s))
         return out
 
+    def _signature(self) -> tuple | None:
+        t, book = self.target, self.book
+        if t.state_ver is None:
+            return None
+        return (t.state_ver, len(book.near), len(book.host_tags), self.loads.inflight_prefetch,
+                t.free_pages(), t.evictable_pages(), book.lookahead, len(self._held))
+
     def run(self, now: float) -> list:
-        """Plan and start prefetches; returns the tags started."""
+        """Plan and start prefetches; returns the tags started. Runs every tick (= every
+        decode step): when nothing the plan depends on changed since a plan that started
+        nothing, it would start nothing again (deadlines and the link's backlog shrink together
+        as time passes), so the candidate walk is skipped."""
+        sig = self._signature()
+        if sig is not None and sig == self._idle_plan:
+            return []
         cands = self.candidates(now)
         previously = self.pending
         if not cands and not previously:
@@ -236,6 +258,16 @@ class Prefetcher:
                                            free + target.evictable_above(c.ste) - reserve < k):
                     pending.add(c.tag)
                     metrics.prefetch_budget_skips += 1
+                    # partial prefetch: the head that fits now; the rest next tick or on demand
+                    room = free - reserve + min(target.evictable_pages(), target.evictable_above(c.ste))
+                    if not (target.partial_prefetch and self.min_partial_pages
+                            and room >= self.min_partial_pages):
+                        continue
+                    ld = target.start_prefetch(c, now, max_pages=room)
+                    if ld is not None:
+                        metrics.prefetch_partial += 1
+                        started.append(c.tag)
+                        loads.note_prefetch(ld)
                     continue
             ld = target.start_prefetch(c, now)
             if ld is None:
@@ -245,6 +277,7 @@ class Prefetcher:
             loads.note_prefetch(ld)
         metrics.prefetch_deferred += len(pending - previously)
         self.pending = pending
+        self._idle_plan = None if started else self._signature()
         return started
 
     def forget(self, tags: Iterable) -> None:

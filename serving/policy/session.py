@@ -92,6 +92,7 @@ class RequestSession:
         self._wait_since: float | None = None
         self._tagged = False
         self._counted = False            # hit counters recorded (a re-look after unpin is not)
+        self.written: list[int] = []     # at finish: the tokens it left in the tree (prompt + output)
 
     # ------------------------------------------------------------------ waiting
     @property
@@ -165,11 +166,13 @@ class RequestSession:
         return max(0, -(-self.kv_tokens // store.page_size) - have // store.page_size)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, *, load_inline: bool = False, recompute_s: float | None = None) -> bool:
+    def admit(self, *, load_inline: bool = False, recompute_s: float | None = None,
+              reuse_align: int = 1) -> bool:
         """Take device pages for the whole request (``kv_tokens``): the cached prefix's own
         pages, then new ones. False: not now (memory is short; wait for running requests).
         ``load_inline``: a host-only or loading part is waited for inside the engine's batch
-        (``ready_at``) instead of beforehand; ``recompute_s`` decides a load started here."""
+        (``ready_at``) instead of beforehand; ``recompute_s`` decides a load started here.
+        ``reuse_align``: reuse only whole multiples of it (a deterministic engine's chunk)."""
         if self.state != "waiting":
             raise RuntimeError(f"admit: session is {self.state}")
         mgr, store = self._mgr, self._mgr.store
@@ -191,6 +194,7 @@ class RequestSession:
                 self.ready_at = ready
         ps = store.page_size
         reuse = min(usable, (len(self.tokens) - 1) // ps * ps)  # prefill needs >= 1 new token
+        reuse -= reuse % max(1, reuse_align)
         prefix = list(pages[:reuse // ps])
         need = max(1, -(-self.kv_tokens // ps)) - len(prefix)
         new = store.allocate(need)
@@ -230,6 +234,15 @@ class RequestSession:
                 b = self.fixed_len
                 if b is None:
                     b = book.infer_boundary(h.workflow, h.agent, self.tokens, app=h.app)
+                else:
+                    # Sub-page boundary: tags are page-aligned, so the page holding the end of
+                    # the fixed prompt (and a chat template's constant header of the next
+                    # message) would stay untagged, go first and be recomputed every call.
+                    # Once the agent's recent prompts agree through that page, tag it too.
+                    ps = book.page_size
+                    up = -(-b // ps) * ps
+                    if up > b and book.infer_boundary(h.workflow, h.agent, self.tokens, app=h.app) >= up:
+                        b = up
                 if self.fixed_len is not None or b > 0:
                     book.tag_fixed_prefix(self.tokens, b, h.workflow, h.agent, app=h.app)
 
@@ -242,6 +255,7 @@ class RequestSession:
         if self.state == "admitted" and self.pages:
             if cache:
                 self._insert(written, seq)
+                self.written = list((self.tokens if seq is None else seq)[:written])
             own = self.pages[self.own_from:]
             if own:
                 store.free(own)

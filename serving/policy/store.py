@@ -85,6 +85,8 @@ class PrefixMatch:
 class TieredStore(Evictor, Transfers):
     """Radix tree + two page pools + a policy (module doc)."""
 
+    partial_prefetch = True  # a prefetch may load the head of a host-only path (PrefetchTarget)
+
     def __init__(self, policy: CachePolicy, *, page_size: int, device_pages: int, host_pages: int,
                  backend: KVTransferBackend, book: TagBook, loads: LoadTracker,
                  metrics: CacheMetrics, partial_eviction: bool = True) -> None:

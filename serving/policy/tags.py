@@ -109,9 +109,10 @@ class TagBook:
     # ------------------------------------------------------------------ tagging
     def tag_fixed_prefix(self, tokens: Sequence[int], fixed_len_tokens: int, workflow: str,
                          agent: str, app: str | None = None, *,
-                         locate: Callable[[tuple], Any] | None = None):
+                         locate: Callable[[tuple], Any] | None = None, remember: bool = True):
         """Tag the node where ``agent``'s fixed prefix ends (page-aligned down); returns it, or
-        None when that prefix is not (fully) cached. Cheap when unchanged: call it per request."""
+        None when that prefix is not (fully) cached. Cheap when unchanged: call it per request.
+        ``remember=False``: not an app-wide prefix (a tool gap's resume tag, :mod:`.toolgap`)."""
         wf = workflow_key(workflow, app)
         tag = (wf, agent)
         b = max(0, min(int(fixed_len_tokens), len(tokens))) // self.page_size * self.page_size
@@ -131,7 +132,7 @@ class TagBook:
         self.refresh(tag)
         if b == 0:
             return None
-        if app:
+        if app and remember:
             self._remember_app_prefix(app, agent, prefix)
         locate = locate or self.locate
         node = locate(prefix) if locate is not None else None
@@ -172,7 +173,7 @@ class TagBook:
         if agent is not None and agent not in ste:
             ste = {**ste, agent: 0}
         changed, revived = self.hints.update(wf, ste, now=now, step=step,
-                                             client=client or app or None)
+                                             client=client or app or None, agent=agent)
         if revived:
             for tag in self.wf_tags.get(wf, ()):
                 self.refresh(tag)
@@ -281,6 +282,19 @@ class TagBook:
             prefix = self._app_prefix.get((app, a))
             if prefix:
                 self.tag_fixed_prefix(prefix, len(prefix), workflow, a, app=app)
+
+    def set_client_cap(self, pages: int | None) -> None:
+        """Change ``client_cap_pages`` (None: no cap) and re-apply it to every client."""
+        if pages == self.client_cap_pages:
+            return
+        self.client_cap_pages = pages
+        if pages is None:
+            for tag in list(self.demoted):
+                self.demoted.discard(tag)
+                self.refresh(tag)
+            return
+        for client in {w.client for w in self.hints.workflows.values()}:
+            self._apply_client_cap(client)
 
     def _apply_client_cap(self, client: str) -> None:
         """Fairness: a client's tags protect at most ``client_cap_pages`` pages; the least

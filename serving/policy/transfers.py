@@ -130,9 +130,31 @@ class Transfers:
     def evictable_pages(self) -> int:
         return self.evictable
 
-    def start_prefetch(self, c, now: float) -> Load | None:
+    def _head_of(self, tag, host_nodes: list, max_pages: int):
+        """Split ``tag``'s host-only path after ``max_pages`` pages (fewer than it has) and
+        return the node ending there, or ``None``."""
+        ps = self.page_size
+        tokens = self.book.records[tag].tokens
+        host_tokens = sum(len(n.key) for n in host_nodes)
+        start = len(tokens) - host_tokens
+        cut = start + min(max_pages, host_tokens // ps - 1) * ps
+        if cut <= start:
+            return None
+        path, m = self.tree.match(tokens[:cut], split=True)
+        if m < cut or not path or path[-1].state is not HOST:
+            return None
+        return path[-1]
+
+    def start_prefetch(self, c, now: float, max_pages: int | None = None) -> Load | None:
+        """Load the host-only part of candidate ``c``'s path; with ``max_pages`` only its head
+        (the path is split after that many pages; ``None`` if not one whole page fits)."""
         node = c.node
         host_nodes = self.host_chain(node)
+        if max_pages is not None:
+            node = self._head_of(c.tag, host_nodes, max_pages)
+            if node is None:
+                return None
+            host_nodes = self.host_chain(node)
         self.lock(node)
         try:
             ld = self.start_load(host_nodes, "prefetch", "prefetch", c.ste, now, c.tag)

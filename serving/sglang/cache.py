@@ -148,6 +148,8 @@ class _SGLangTarget:
     """The :class:`~kvflow_agents.serving.policy.PrefetchTarget` over SGLang's tree."""
 
     evicts = True
+    partial_prefetch = False  # SGLang's load_back loads a node's whole host-only path
+    state_ver = None          # SGLang's tree keeps no change counter: plan on every tick
 
     def __init__(self, cache: "KVFlowRadixCache") -> None:
         self.cache = cache
@@ -461,7 +463,10 @@ class KVFlowRadixCache(UnifiedRadixCache):
         self.kv_prefetcher.forget(dropped)
 
     def kvflow_expire(self, now: Optional[float] = None) -> list:
-        return self.kv_book.expire(self._kv_now() if now is None else now)
+        expired = self.kv_book.expire(self._kv_now() if now is None else now)
+        for wf in self.kv_book.hints.drain_removed():  # forgotten or over the registry's bounds
+            self.kvflow_release_workflow(wf)
+        return expired
 
     # ------------------------------------------------------------------ tagging
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:

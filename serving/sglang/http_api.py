@@ -14,6 +14,15 @@
   prompt) is turned into ``kvflow_fixed_prefix_tokens`` with the server's chat template, and
   the workflow id becomes SGLang's ``routing_key`` (unless the client set one), so a
   multi-instance router keeps a workflow on one instance.
+
+Tenancy and limits, the same rules as the embedded server (``serving/tenancy.py``): with
+``KVFLOW_API_KEYS_FILE`` (tenant -> key; then leave SGLang's own ``--api-key`` unset) and/or
+``KVFLOW_TENANT_HEADER`` (the launcher's ``--kvflow-api-keys-file`` / ``--kvflow-tenant-header``),
+the endpoints authenticate the tenant, hints on chat and completion requests (:class:`HintIntake`,
+hint-only completions included) and out-of-band hints are scoped to it (another tenant's ids
+name other workflows: it cannot end or alter them) and ``/kvflow/v1/cache`` lists only its
+workflows. Bodies of ``/kvflow/v1/hints`` are bounded (``MAX_HINT_BODY``) and parsed
+strictly (UTF-8, depth, no lone surrogates); every error is a 4xx JSON body.
 """
 
 from __future__ import annotations
@@ -34,8 +43,20 @@ TARGET_CHAT = ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat."
                "_convert_to_internal_request")
 FIXED_TOKENS_KEY = "kvflow_fixed_prefix_tokens"
 SNAPSHOT_TIMEOUT_S = 5.0
+MAX_HINT_BODY = 1 << 20  # a hint with 1,024 agents is ~30 KB
 
 _routes_added = False
+_tenancy = None
+
+
+def tenancy():
+    """The tenancy configured by the environment (read once per process)."""
+    global _tenancy
+    if _tenancy is None:
+        from kvflow_agents.serving.tenancy import Tenancy, load_keys_file
+        path = os.environ.get("KVFLOW_API_KEYS_FILE")
+        _tenancy = Tenancy(load_keys_file(path) if path else {}, os.environ.get("KVFLOW_TENANT_HEADER"))
+    return _tenancy
 
 
 # ------------------------------------------------------------------------------ chat hook
@@ -78,17 +99,17 @@ def after_convert_to_internal_request(result, serving, request, *args, **kwargs)
         from kvflow_agents.protocol import HintError, Hints
         from kvflow_agents.serving.policy import workflow_key
 
-        try:
+        try:  # (already scoped to the tenant by HintIntake when tenancy is on)
             hints = Hints.from_custom_params(params)
         except HintError:
             return None  # the scheduler counts and ignores it; the request proceeds
         if hints is None:
             return None
+        sp = adapted.sampling_params
         if getattr(adapted, "routing_key", None) is None:
             adapted.routing_key = workflow_key(hints.workflow, hints.app)
         ids = getattr(adapted, "input_ids", None)
         text = getattr(adapted, "text", None)
-        sp = adapted.sampling_params
         if (hints.fixed_messages and ((isinstance(ids, list) and ids) or isinstance(text, str))
                 and isinstance(sp, dict) and FIXED_TOKENS_KEY not in (sp.get("custom_params") or {})):
             msgs = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m)
@@ -151,41 +172,77 @@ async def request_snapshot(tokenizer_manager, timeout: float = SNAPSHOT_TIMEOUT_
             pass
 
 
+def visible_snapshot(snap: dict, tenant) -> dict:
+    """The scheduler's snapshot as ``tenant`` may see it: its workflows only, its own ids."""
+    from kvflow_agents.serving.tenancy import visible_key
+
+    if tenant is None:
+        return snap
+    wfs = {visible_key(k, tenant): v for k, v in (snap.get("workflows") or {}).items()}
+    agents = [{**a, "workflow": visible_key(a["workflow"], tenant)} for a in snap.get("agents") or ()]
+    return {**snap, "workflows": {k: v for k, v in wfs.items() if k is not None},
+            "agents": [a for a in agents if a["workflow"] is not None]}
+
+
 def add_routes(app, get_tokenizer_manager) -> None:
     from fastapi import Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import Response
 
-    from kvflow_agents.protocol import HintError, Hints
+    from kvflow_agents.protocol import HintError, Hints, HintsWire
+    from kvflow_agents.serving.embedded.limits import BodyError, json_bytes, parse_json_body
+    from kvflow_agents.serving.tenancy import TenantError, scope_params
+
+    def reply(obj: dict, status: int = 200) -> Response:
+        return Response(json_bytes(obj), status_code=status, media_type="application/json")
+
+    def tenant_of(request):
+        """(tenant, None) or (None, error response)."""
+        try:
+            return tenancy().authenticate(request.headers), None
+        except TenantError as e:
+            return None, reply({"error": str(e)}, e.status)
 
     async def post_hints(request: Request):
+        tenant, err = tenant_of(request)
+        if err is not None:
+            return err
+        if int(request.headers.get("content-length") or 0) > MAX_HINT_BODY:
+            return reply({"error": f"body over {MAX_HINT_BODY} bytes"}, 413)
+        raw = await request.body()
+        if len(raw) > MAX_HINT_BODY:
+            return reply({"error": f"body over {MAX_HINT_BODY} bytes"}, 413)
         try:
-            body = await request.json()
-        except Exception:
-            return JSONResponse({"error": "body must be JSON"}, status_code=400)
-        try:
-            hints = Hints.from_custom_params(body)
+            body = parse_json_body(raw, skip=HintsWire.model_fields.keys())
+            hints = Hints.from_custom_params(body) if isinstance(body, dict) else None
+        except BodyError as e:
+            return reply({"error": str(e)}, e.status)
         except HintError as e:
-            return JSONResponse({"error": str(e), "key": e.key}, status_code=400)
+            return reply({"error": str(e), "key": e.key}, 400)
         if hints is None:
-            return JSONResponse({"error": "no kvflow_* keys"}, status_code=400)
+            return reply({"error": "no kvflow_* keys"}, 400)
         try:
             await send_control(get_tokenizer_manager(),
-                               KVFlowControl("hints", hints.to_custom_params()))
+                               KVFlowControl("hints", scope_params(hints.to_custom_params(), tenant)))
         except Exception as e:
-            return JSONResponse({"error": str(e)}, status_code=503)
-        return JSONResponse({"accepted": True, "workflow": hints.workflow, "event": hints.event})
+            return reply({"error": str(e)}, 503)
+        return reply({"accepted": True, "workflow": hints.workflow, "event": hints.event})
 
     # this module uses postponed annotations; FastAPI needs the real class to inject Request
     post_hints.__annotations__["request"] = Request
 
-    async def get_cache():
+    async def get_cache(request: Request):
+        tenant, err = tenant_of(request)
+        if err is not None:
+            return err
         try:
             snap = await request_snapshot(get_tokenizer_manager())
         except asyncio.TimeoutError:
-            return JSONResponse({"error": "scheduler did not answer"}, status_code=504)
+            return reply({"error": "scheduler did not answer"}, 504)
         except Exception as e:
-            return JSONResponse({"error": str(e)}, status_code=503)
-        return JSONResponse(snap)
+            return reply({"error": str(e)}, 503)
+        return reply(visible_snapshot(snap, tenant))
+
+    get_cache.__annotations__["request"] = Request
 
     app.add_api_route("/kvflow/v1/hints", post_hints, methods=["POST"])
     app.add_api_route("/kvflow/v1/cache", get_cache, methods=["GET"])
@@ -198,8 +255,10 @@ INTAKE_PATHS = ("/v1/chat/completions", "/v1/completions")
 def intake(body: bytes, headers: dict, path: str) -> tuple[bytes, "dict | None"]:
     """(body to pass on, control payload of a hint-only completion or ``None``). Hints in
     ``metadata["kvflow"]`` (or with the workflow in the routing key) are merged into
-    ``custom_params``; anything malformed or unhinted passes unchanged (advisory)."""
+    ``custom_params``; anything malformed or unhinted passes unchanged (advisory). With tenancy
+    on, the hints are scoped to the caller's tenant (an unknown caller's are dropped)."""
     from kvflow_agents.protocol import HintError, Hints
+    from kvflow_agents.serving.tenancy import TenantError, scope_params
 
     try:
         doc = json.loads(body)
@@ -213,14 +272,28 @@ def intake(body: bytes, headers: dict, path: str) -> tuple[bytes, "dict | None"]
         return body, None  # the request proceeds; custom_params (if any) is counted downstream
     if hints is None:
         return body, None
+    scoped = tenancy().enabled
+    if scoped:
+        try:
+            tenant = tenancy().authenticate(headers)
+        except TenantError:
+            tenant = None
+        if tenant is None:  # hints of an unknown tenant are dropped; the request proceeds
+            cp = doc.get("custom_params")
+            if isinstance(cp, dict):
+                doc["custom_params"] = {k: v for k, v in cp.items() if not str(k).startswith("kvflow_")}
+            if isinstance(doc.get("metadata"), dict):
+                doc["metadata"] = {k: v for k, v in doc["metadata"].items() if k != "kvflow"}
+            return json.dumps(doc).encode(), None
     if hints.event is not None and path == "/v1/completions":
-        return body, hints.to_custom_params()
+        return body, scope_params(hints.to_custom_params(), tenant) if scoped else hints.to_custom_params()
     cp = doc.get("custom_params")
     if cp is not None and not isinstance(cp, dict):
         return body, None
-    if cp and Hints.from_custom_params(cp, workflow=hints.workflow) == hints:
+    if not scoped and cp and Hints.from_custom_params(cp, workflow=hints.workflow) == hints:
         return body, None  # custom_params already carries them (a direct connection)
-    doc["custom_params"] = {**(cp or {}), **hints.to_custom_params()}
+    merged = {**(cp or {}), **hints.to_custom_params()}
+    doc["custom_params"] = scope_params(merged, tenant) if scoped else merged
     return json.dumps(doc).encode(), None
 
 
@@ -275,15 +348,8 @@ class HintIntake:
         if new_body is not body:
             scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
                      + [(b"content-length", str(len(new_body)).encode())]}
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": new_body, "more_body": False}
-            return await receive()
-        await self.app(scope, replay, send)
+        from kvflow_agents.serving.embedded.limits import replay_body
+        await self.app(scope, replay_body(new_body, receive), send)
 
 
 def before_launch_server(*args, **kwargs):

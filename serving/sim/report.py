@@ -1,4 +1,7 @@
-"""Rich tables and matplotlib (Agg) charts for ``kvflow sim``."""
+"""Rich tables and matplotlib (Agg) charts for ``kvflow sim``.
+
+The terminal tables fit 80 columns by default (short cells, one number each; the sweep as one
+small table per metric); ``wide=True`` gives every column. ``--json`` has all numbers."""
 
 from __future__ import annotations
 
@@ -12,10 +15,16 @@ def _f(v: Optional[float], fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def run_table(results: dict[str, SimResult], title: str):
+def _table(title: str, caption: Optional[str] = None):
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left")
+    return Table(title=title, title_justify="left", caption=caption, caption_justify="left",
+                 box=box.SIMPLE_HEAD, pad_edge=False)
+
+
+def run_table(results: dict[str, SimResult], title: str):
+    t = _table(title)
     t.add_column("metric")
     for p in results:
         t.add_column(p, justify="right")
@@ -28,7 +37,7 @@ def run_table(results: dict[str, SimResult], title: str):
             ("link busy (s)", lambda r: _f(r.load_s, "{:.3f}")),
             ("exposed load (s)", lambda r: _f(r.exposed_load_s, "{:.3f}")),
             ("hidden-load fraction", lambda r: _f(r.hidden_fraction, "{:.1%}")),
-            ("prefetch issued/used/wasted", lambda r: "{}/{}/{}".format(
+            ("prefetch issued/used/waste", lambda r: "{}/{}/{}".format(
                 r.cache["prefetch_issued"], r.cache["prefetch_used"], r.cache["prefetch_wasted"]))]
     for name, fn in rows:
         t.add_row(name, *(fn(r) for r in results.values()))
@@ -40,19 +49,21 @@ def run_table(results: dict[str, SimResult], title: str):
     return t
 
 
-def paper_tables(summaries: Sequence[dict]) -> list:
-    from rich.table import Table
-
+def paper_tables(summaries: Sequence[dict], wide: bool = False) -> list:
+    """One table per figure. Narrow: config and the ratios (kvflow/hicache, the paper's, kvflow/
+    lru, kvflow÷oracle, hidden-load share); wide adds the four policies' latencies (s)."""
     out = []
     for s in summaries:
-        t = Table(title=f"{s['figure']}: {s['title']}", title_justify="left",
-                  caption=f"paper: up to {s['paper_max']}x ({s['paper_src']}); ours max "
-                          f"{_f(s['ours_max'])}x; {s['note']}", caption_justify="left")
-        for c in ("config", "lru s", "hicache s", "kvflow s", "oracle s", "kvflow/hicache",
-                  "paper", "kvflow/lru", "kvflow÷oracle", "hidden"):
-            t.add_column(c, justify="left" if c == "config" else "right")
+        t = _table(f"{s['figure']}: {s['title']}",
+                   caption=f"paper: up to {s['paper_max']}x ({s['paper_src']}); ours max "
+                           f"{_f(s['ours_max'])}x; {s['note']}")
+        cols = (["config"] + (["lru s", "hicache s", "kvflow s", "oracle s"] if wide else [])
+                + ["kv/hicache", "paper", "kv/lru", "kv÷oracle", "hidden"])
+        for c in cols:
+            t.add_column(c, justify="left" if c == "config" else "right", no_wrap=True)
         for c in s["configs"]:
-            t.add_row(c["config"], *(_f(c.get(p), "{:.2f}") for p in ("lru", "hicache", "kvflow", "oracle")),
+            secs = [_f(c.get(p), "{:.2f}") for p in ("lru", "hicache", "kvflow", "oracle")] if wide else []
+            t.add_row(c["config"], *secs,
                       _f(c["kvflow_vs_hicache"], "{:.2f}x"), _f(c["paper_ratio"], "{:.2f}x"),
                       _f(c["kvflow_vs_lru"], "{:.2f}x"), _f(c["kvflow_over_oracle"], "{:.3f}"),
                       _f(c["kvflow_hidden"], "{:.0%}"))
@@ -60,20 +71,37 @@ def paper_tables(summaries: Sequence[dict]) -> list:
     return out
 
 
-def sweep_table(sw: dict):
-    from rich.table import Table
+_SWEEP_METRICS = (("kvflow_hidden", "kvflow hidden-load share", "{:.0%}"),
+                  ("kvflow_vs_hicache", "kvflow/hicache", "{:.2f}"),
+                  ("hicache_vs_lru", "hicache/lru", "{:.2f}"))
 
-    t = Table(title=f"sweep on {sw['profile']}: cycle of 10, {sw['fixed']}/{sw['dynamic']}/{sw['output']} "
-                    "tokens; cells: kvflow hidden-load % | kvflow/hicache | hicache/lru", title_justify="left")
-    t.add_column("workflows")
-    for bw in sw["bandwidth"]:
-        t.add_column(f"{bw:g} GB/s", justify="right")
-    for n in sw["concurrency"]:
-        row = [c for c in sw["cells"] if c["concurrency"] == n]
-        t.add_row(str(n), *("{}/{}/{}".format(_f(c["kvflow_hidden"], "{:.0%}"),
-                                                  _f(c["kvflow_vs_hicache"]), _f(c["hicache_vs_lru"]))
-                            for c in row))
-    return t
+
+def sweep_tables(sw: dict, wide: bool = False) -> list:
+    """Narrow: one table per metric (rows = workflows, columns = link GB/s); wide: one table
+    whose cells hold all three."""
+    head = f"sweep on {sw['profile']}: cycle of 10, {sw['fixed']}/{sw['dynamic']}/{sw['output']} tokens"
+    specs = [(None, "cells: kvflow hidden-load % | kvflow/hicache | hicache/lru", None)] if wide else _SWEEP_METRICS
+    out = []
+    for key, name, fmt in specs:
+        t = _table(f"{head}; {name}" + ("" if wide else " (columns: host link GB/s)"))
+        t.add_column("wf" if not wide else "workflows")
+        for bw in sw["bandwidth"]:
+            t.add_column(f"{bw:g}" + (" GB/s" if wide else ""), justify="right", no_wrap=True)
+        for n in sw["concurrency"]:
+            row = [c for c in sw["cells"] if c["concurrency"] == n]
+            if key is None:
+                cells = ["{}/{}/{}".format(_f(c["kvflow_hidden"], "{:.0%}"), _f(c["kvflow_vs_hicache"]),
+                                           _f(c["hicache_vs_lru"])) for c in row]
+            else:
+                cells = [_f(c[key], fmt) for c in row]
+            t.add_row(str(n), *cells)
+        out.append(t)
+    return out
+
+
+def sweep_table(sw: dict):
+    """The wide sweep table (all three metrics per cell)."""
+    return sweep_tables(sw, wide=True)[0]
 
 
 def markdown_paper(summaries: Sequence[dict]) -> str:

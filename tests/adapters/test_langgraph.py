@@ -151,7 +151,7 @@ END_STE = {"planner": N, "executor": N, "expresser": N, "reviewer": N}
 
 
 def test_paper_four_agent_loop(srv, mode):
-    app = kvflow.instrument(peer(llm_for(srv)))
+    app = kvflow.instrument(peer(llm_for(srv)), learn=False)
     assert app.kvflow.app_id == "peer"
     out = run(app, {"rounds": 2}, {"configurable": {"thread_id": "t-peer"}}, mode)
     assert out["log"] == ["planner", "executor", "expresser", "reviewer"] * 2
@@ -176,7 +176,7 @@ def test_fan_out_and_join(srv, mode):
     g.add_edge("r2", "r2b")
     g.add_edge(["r1", "r2b"], "writer")  # AND: waits for the short and the long branch
     g.add_edge("writer", END)
-    app = kvflow.instrument(g)
+    app = kvflow.instrument(g, learn=False)
     assert app.kvflow_graph.joins("writer") == [["r1", "r2b"]]
     out = run(app, {}, {"configurable": {"thread_id": "t-join"}}, mode)
     assert out["log"].count("writer") == 1
@@ -214,7 +214,7 @@ def test_conditional_branch_with_path_map(srv, mode):
     g.add_edge("coder", "reviewer")
     g.add_edge("reviewer", END)
     g.add_edge("writer", END)
-    app = kvflow.instrument(g)
+    app = kvflow.instrument(g, learn=False)
     out = run(app, {}, {"configurable": {"thread_id": "t-branch"}}, mode)
     assert out["log"] == ["coder", "coder", "reviewer"]
     assert calls(srv) == [
@@ -234,7 +234,7 @@ def test_send_fan_out_runs_parallel_instances_in_one_step(srv, mode):
     g.add_edge(START, "planner")
     g.add_conditional_edges("planner", lambda s: [Send("worker", {"log": []}) for _ in range(3)], ["worker"])
     g.add_edge("worker", "summarizer")
-    app = kvflow.instrument(g)
+    app = kvflow.instrument(g, learn=False)
     out = run(app, {}, {"configurable": {"thread_id": "t-send"}}, mode)
     assert out["log"].count("worker") == 3
     w = ("worker", 2, {"planner": N, "worker": 0, "summarizer": 1}, ["summarizer"])
@@ -262,7 +262,7 @@ def test_subgraph_is_inlined_with_parent_child_names(srv, mode):
     g.add_edge(START, "planner")
     g.add_edge("planner", "team")
     g.add_edge("team", "writer")
-    app = kvflow.instrument(g)
+    app = kvflow.instrument(g, learn=False)
     assert app.kvflow_graph.agents == ["planner", "team/research", "team/summarize", "writer"]
     out = run(app, {}, {"configurable": {"thread_id": "t-sub"}}, mode)
     assert out["log"][-1] == "writer"  # (the subgraph hands back the whole shared log)
@@ -290,7 +290,7 @@ def test_command_goto_with_destinations(srv, mode):
     g.add_edge(START, "triage")
     g.add_edge("billing", "closer")
     g.add_edge("support", "closer")
-    app = kvflow.instrument(g)
+    app = kvflow.instrument(g, learn=False)
     out = run(app, {}, {"configurable": {"thread_id": "t-cmd"}}, mode)
     assert out["log"] == ["triage", "billing", "closer"]
     assert calls(srv) == [
@@ -336,7 +336,7 @@ def test_interrupt_and_resume_on_one_thread(srv, mode):
 
 # ---------------------------------------------------------------- concurrency
 def test_eight_concurrent_async_threads_do_not_mix(srv):
-    app = kvflow.instrument(peer(llm_for(srv)))
+    app = kvflow.instrument(peer(llm_for(srv)), learn=False)
     rounds = {f"t{i}": 1 + i % 3 for i in range(8)}
 
     async def main():
@@ -351,7 +351,7 @@ def test_eight_concurrent_async_threads_do_not_mix(srv):
 
 
 def test_eight_concurrent_sync_threads_do_not_mix(srv):
-    app = kvflow.instrument(peer(llm_for(srv)))
+    app = kvflow.instrument(peer(llm_for(srv)), learn=False)
     rounds = {f"s{i}": 1 + i % 2 for i in range(8)}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda t: app.invoke({"rounds": rounds[t]}, {"configurable": {"thread_id": t}}), rounds))
@@ -361,7 +361,7 @@ def test_eight_concurrent_sync_threads_do_not_mix(srv):
 
 # ---------------------------------------------------------------- odds and ends
 def test_runs_without_thread_id_use_the_root_run_id(srv, mode):
-    app = kvflow.instrument(peer(llm_for(srv)))
+    app = kvflow.instrument(peer(llm_for(srv)), learn=False)
     run(app, {"rounds": 1}, None, mode)
     run(app, {"rounds": 1}, None, mode)
     ids = [r.hints["kvflow_workflow"] for r in srv.llm_requests()]
@@ -402,7 +402,7 @@ def test_llm_inside_a_chain_inside_a_node_and_streaming(srv, mode):
     g.add_node("writer", RunnableLambda(f, afunc=af))
     g.add_edge(START, "planner")
     g.add_edge("planner", "writer")
-    app = kvflow.instrument(g)
+    app = kvflow.instrument(g, learn=False)
     run(app, {}, {"configurable": {"thread_id": "t-chain"}}, mode)
     assert calls(srv) == [
         ("planner", 1, {"planner": 0, "writer": 1}, ["writer"]),
@@ -437,7 +437,7 @@ def test_user_callbacks_still_fire(srv, mode):
         def on_chat_model_start(self, *a, **kw):
             seen.append(kw["metadata"]["langgraph_node"])
 
-    app = kvflow.instrument(peer(llm_for(srv)))
+    app = kvflow.instrument(peer(llm_for(srv)), learn=False)
     run(app, {"rounds": 1}, {"configurable": {"thread_id": "t-cb"}, "callbacks": [Mine()]}, mode)
     assert seen == ["planner", "executor", "expresser", "reviewer"]
     assert calls(srv) == peer_expected(1)
@@ -469,7 +469,7 @@ def test_explicit_http_client_for_custom_setups(srv, mode):
                      http_client=kvflow.http_client(), http_async_client=kvflow.async_http_client())
     assert isinstance(kvflow.http_client(), httpx2.Client)
     g = peer(llm)
-    app = kvflow.instrument(g)
+    app = kvflow.instrument(g, learn=False)
     autopatch.disable()  # instrument() enables it; switch it off again for this test
     run(app, {"rounds": 1}, {"configurable": {"thread_id": "t-explicit"}}, mode)
     assert calls(srv) == peer_expected(1)
@@ -502,7 +502,7 @@ def test_a_failing_node_releases_the_workflow(srv, mode):
     g.add_node("broken", boom)
     g.add_edge(START, "planner")
     g.add_edge("planner", "broken")
-    app = kvflow.instrument(g)
+    app = kvflow.instrument(g, learn=False)
     with pytest.raises(ValueError, match="boom"):
         run(app, {}, {"configurable": {"thread_id": "t-err"}}, mode)
     assert posts(srv) == [("end", "__end__", 2, {"planner": N, "broken": N}, [])]
@@ -510,7 +510,7 @@ def test_a_failing_node_releases_the_workflow(srv, mode):
 
 
 def test_long_thread_ids_are_hashed_on_the_wire(srv):
-    app = kvflow.instrument(peer(llm_for(srv)))
+    app = kvflow.instrument(peer(llm_for(srv)), learn=False)
     tid = "x" * 1000
     app.invoke({"rounds": 1}, {"configurable": {"thread_id": tid}})
     ids = {r.hints["kvflow_workflow"] for r in srv.llm_requests()}
@@ -521,7 +521,7 @@ def test_long_thread_ids_are_hashed_on_the_wire(srv):
 def test_callback_only_fallback_without_the_loop_hook(srv):
     from kvflow_agents.adapters import langgraph as lg
 
-    app = kvflow.instrument(peer(llm_for(srv)))
+    app = kvflow.instrument(peer(llm_for(srv)), learn=False)
     lg._unpatch_pregel_loop()
     try:
         app.invoke({"rounds": 2}, {"configurable": {"thread_id": "t-fallback"}})
@@ -551,14 +551,14 @@ def test_raw_openai_clients_inside_nodes_carry_hints_too(srv, mode):
     g.add_node("after", agent(llm_for(srv), "after"))
     g.add_edge(START, "raw")
     g.add_edge("raw", "after")
-    app = kvflow.instrument(g)
+    app = kvflow.instrument(g, learn=False)
     run(app, {}, {"configurable": {"thread_id": "t-raw"}}, mode)
     assert calls(srv) == [("raw", 1, {"raw": 0, "after": 1}, ["after"]),
                           ("after", 2, {"raw": N, "after": 0}, [])]
 
 
 def test_an_abandoned_stream_does_not_confuse_the_next_run(srv):
-    app = kvflow.instrument(peer(llm_for(srv)))
+    app = kvflow.instrument(peer(llm_for(srv)), learn=False)
     cfg = {"configurable": {"thread_id": "t-abandon"}}
     it = app.stream({"rounds": 1}, cfg)
     next(it)  # planner ran; the rest never does

@@ -76,3 +76,45 @@ def test_stream_stops_on_eos_and_strings():
     assert "".join(out) == "x"
     assert st.push(tok.encode("d")[0]) == "ENd"
     assert st.finish() == "" and not st.finished
+
+
+def test_tools_render_in_the_system_block_and_history_in_hermes_layout():
+    """Tools go in the (fixed, cacheable) system block; assistant calls and tool results render
+    exactly as the grammar lets the model write them."""
+    import json
+
+    from kvflow_agents.serving.embedded.model.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.byte_level()
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"},
+            {"role": "tool", "tool_call_id": "c2", "content": "ok"}]
+    text = tok.apply_chat_template(msgs, tools=tools)
+    system, rest = text.split("<|im_end|>\n", 1)
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and json.dumps(tools[0]) in system
+    assert rest == ("<|im_start|>user\n1+2?<|im_end|>\n"
+                    '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
+                    "</tool_call><|im_end|>\n"
+                    "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\nok\n"
+                    "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # the fixed prefix (the system message) covers the tool listing
+    ids = tok.encode_chat(msgs, tools=tools)
+    n = tok.fixed_prefix_tokens(msgs, 1, ids, tools=tools)
+    assert tok.decode(ids[:n], skip_special_tokens=False) == system + "<|im_end|>\n"
+    # without tools, a plain conversation renders with the model's own template as before
+    assert tok.apply_chat_template(msgs[:2]) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+2?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_grammar_without_xgrammar_is_a_clear_error(monkeypatch):
+    import sys
+
+    import pytest
+
+    from kvflow_agents.serving.embedded.grammar import GrammarError, spec_for_request
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(GrammarError, match="xgrammar"):
+        spec_for_request(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required")

@@ -6,6 +6,8 @@ server (no model)."""
 
 from __future__ import annotations
 
+import json
+
 import asyncio
 import re
 import sys
@@ -65,6 +67,10 @@ class Script:
             return str(plan_for(self.q, self.n_subs)).replace("'", '"')
         if role == "executor":
             sub = user_text(body).splitlines()[0].removeprefix("Sub-question: ")
+            if body.get("tools") and not any(m["role"] == "tool" for m in body["messages"]):
+                # the LangGraph executor searches first (AutoGen's searches in its model context)
+                return {"content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "search_corpus", "arguments": json.dumps({"query": sub})}}]}
             return f"Finding for: {sub} [S1]"
         if role == "expresser":
             self.drafts += 1
@@ -164,7 +170,8 @@ def test_default_jump_fail_goes_back_to_expresser_with_layout_and_hints():
     execs = [(body, h) for role, body, h in reqs if role == "executor"]
     for body, h in execs:  # executor_i got sub-question i
         i = int(h["kvflow_agent"].split("_")[1]) - 1
-        assert user_text(body).startswith(f"Sub-question: {plan_for(Q1)[i]}\nBackground:\n[S")
+        assert user_text(body).startswith(f"Sub-question: {plan_for(Q1)[i]}\n")
+        assert "\n\nsearch_corpus results:\n[" in user_text(body)  # BM25 over the corpus
         assert h["kvflow_ste"]["expresser"] == 1 and h["kvflow_ste"]["planner"] is None  # never again
         assert h["kvflow_ste"]["reviewer"] == 2
     assert len({h["kvflow_step"] for _b, h in execs}) == 1
@@ -217,13 +224,31 @@ def test_pass_at_first_review_ends_after_one_round():
 
 # ---------------------------------------------------------------------- the same requests as LangGraph
 def _requests(reqs) -> Counter:
-    return Counter(tuple((m["role"], m["content"]) for m in body["messages"]) for _r, body, _h in reqs)
+    """The [system, user] pairs of the planner, expresser and reviewer requests."""
+    return Counter(tuple((m["role"], m["content"]) for m in body["messages"])
+                   for r, body, _h in reqs if r != "executor")
+
+
+def _executor_evidence(reqs) -> Counter:
+    """What each executor read: AutoGen's in its user message, LangGraph's as the tool result."""
+    out: Counter = Counter()
+    for r, body, _h in reqs:
+        if r != "executor":
+            continue
+        msgs = body["messages"]
+        if msgs[-1]["role"] == "tool":
+            out[(msgs[1]["content"], msgs[-1]["content"])] += 1
+        elif msgs[-1]["role"] == "user" and "search_corpus results:" in msgs[-1]["content"]:
+            task, _, results = msgs[-1]["content"].partition("\n\nsearch_corpus results:\n")
+            out[(task, results)] += 1
+    return out
 
 
 @pytest.mark.parametrize("jump", ["expressing", "planning"])
 def test_same_messages_as_the_langgraph_version(jump):
-    """Same scripted model, same question: the multiset of [system, user] message pairs sent is
-    identical (the executors' arrival order is not)."""
+    """Same scripted model, same question: the planner, expresser and reviewer requests are the
+    same multiset of [system, user] pairs (the executors' arrival order is not), and each
+    executor read the same passages (LangGraph: its search_corpus call; AutoGen: in its context)."""
     with RecordingOpenAIServer(reply=Script(Q2, verdicts=["FAIL", "PASS"])) as srv:
         run_ag(srv, Q2, jump=jump, instrument=False)
         autogen_reqs = sent(srv)
@@ -233,8 +258,11 @@ def test_same_messages_as_the_langgraph_version(jump):
         out = app.invoke(lg.initial_state(Q2), config={"recursion_limit": 64})
         langgraph_reqs = sent(srv)
     assert out["verdicts"] == ["FAIL", "PASS"]
-    assert len(autogen_reqs) == len(langgraph_reqs) == (12 if jump == "planning" else 8)
+    n_exec = 6 if jump == "planning" else 3
+    assert len(autogen_reqs) == (12 if jump == "planning" else 8) == len(langgraph_reqs) - n_exec
     assert _requests(autogen_reqs) == _requests(langgraph_reqs)
+    assert sum(_executor_evidence(autogen_reqs).values()) == n_exec
+    assert _executor_evidence(autogen_reqs) == _executor_evidence(langgraph_reqs)
 
 
 # ------------------------------------------------------------------------------ fan-out padding

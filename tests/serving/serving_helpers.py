@@ -58,7 +58,7 @@ def residency(report: dict, workflow: str, agent: str) -> str:
 
 
 class RunningServer:
-    def __init__(self, engine, app) -> None:
+    def __init__(self, engine, app, **uvicorn_kw) -> None:
         import uvicorn
 
         self.engine = engine
@@ -68,7 +68,8 @@ class RunningServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
-        cfg = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        cfg = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                             **uvicorn_kw)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)

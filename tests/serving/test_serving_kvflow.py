@@ -118,7 +118,7 @@ def test_status_aware_scheduling_runs_ready_requests_while_a_prefix_loads(serve,
         t0 = time.monotonic()
         other = srv.client()
         call("other", lambda: other.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "a ready request"}], max_tokens=3,
+            model="tiny-random", messages=[{"role": "user", "content": "a ready request"}], max_tokens=3,
             extra_body={"ignore_eos": True}))
         tc.join(15)
         assert done[slow] - t0 > 0.5                    # the load really took the link time
@@ -156,7 +156,7 @@ def test_fixed_prefix_inferred_without_fixed_messages(serve):
         c = srv.client()
         for i in range(2):
             c.chat.completions.create(
-                model="m", max_tokens=2, messages=[{"role": "system", "content": system_prompt("A")},
+                model="tiny-random", max_tokens=2, messages=[{"role": "system", "content": system_prompt("A")},
                                                    {"role": "user", "content": f"question number {i}"}],
                 extra_body={"custom_params": {"kvflow_v": 1, "kvflow_workflow": "inf", "kvflow_agent": "A",
                                               "kvflow_ste": {"A": 0}}})
@@ -164,7 +164,8 @@ def test_fixed_prefix_inferred_without_fixed_messages(serve):
         assert agents[0]["agent"] == "A" and agents[0]["tokens"] >= 176 and agents[0]["residency"] == "device"
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+_json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70)  # JSON has no inf/NaN
+                     | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
                      lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
                      max_leaves=6)
 _keys = st.sampled_from(["kvflow_v", "kvflow_workflow", "kvflow_agent", "kvflow_step", "kvflow_ste",
@@ -184,7 +185,7 @@ def test_malformed_hints_never_fail_a_request(serve):
         @given(params=_params)
         def check(params):
             raw = c.chat.completions.with_raw_response.create(
-                model="m", messages=[{"role": "user", "content": "fuzz"}], max_tokens=1,
+                model="tiny-random", messages=[{"role": "user", "content": "fuzz"}], max_tokens=1,
                 extra_body={"custom_params": params})
             assert raw.http_response.status_code == 200
             assert raw.parse().usage.completion_tokens == 1
@@ -204,7 +205,7 @@ def test_hints_from_headers_only(serve):
         c = srv.client()
         for i in range(2):
             raw = c.chat.completions.with_raw_response.create(
-                model="m", max_tokens=1, messages=[{"role": "system", "content": system_prompt("B")},
+                model="tiny-random", max_tokens=1, messages=[{"role": "system", "content": system_prompt("B")},
                                                    {"role": "user", "content": f"{i}"}],
                 extra_headers={"X-KVFlow-Workflow": "hdr", "X-KVFlow-Agent": "B"})
             assert raw.headers["x-kvflow-hints"] == "accepted"

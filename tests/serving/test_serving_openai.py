@@ -42,9 +42,9 @@ def test_stream_matches_non_stream_and_completions(serve):
     with serve(policy="lru") as srv:
         c = srv.client()
         msgs = [SYSTEM, {"role": "user", "content": "go"}]
-        full = c.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0,
+        full = c.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=8, temperature=0,
                                          extra_body={"ignore_eos": True})
-        chunks = list(c.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0,
+        chunks = list(c.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=8, temperature=0,
                                                 stream=True, stream_options={"include_usage": True},
                                                 extra_body={"ignore_eos": True}))
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
@@ -52,16 +52,16 @@ def test_stream_matches_non_stream_and_completions(serve):
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
         assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
-        r = c.completions.create(model="m", prompt="Once upon a time", max_tokens=5, temperature=0,
+        r = c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=5, temperature=0,
                                  extra_body={"ignore_eos": True})
         assert r.object == "text_completion" and r.usage.completion_tokens == 5
         assert r.choices[0].finish_reason == "length"
-        parts = list(c.completions.create(model="m", prompt="Once upon a time", max_tokens=5,
+        parts = list(c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=5,
                                           temperature=0, stream=True, extra_body={"ignore_eos": True}))
         assert "".join(p.choices[0].text for p in parts if p.choices) == r.choices[0].text
 
         # sampling: same seed, same answer
-        a, b = (c.completions.create(model="m", prompt="abc", max_tokens=6, temperature=1.0, top_p=0.9,
+        a, b = (c.completions.create(model="tiny-random", prompt="abc", max_tokens=6, temperature=1.0, top_p=0.9,
                                      seed=7, extra_body={"ignore_eos": True}).choices[0].text for _ in range(2))
         assert a == b
 
@@ -69,13 +69,13 @@ def test_stream_matches_non_stream_and_completions(serve):
 def test_stop_strings(serve):
     with serve(policy="lru") as srv:
         c = srv.client()
-        base = c.completions.create(model="m", prompt="Hello there", max_tokens=12, temperature=0,
+        base = c.completions.create(model="tiny-random", prompt="Hello there", max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True}).choices[0].text
         stop = next((base[i:i + 1] for i in range(2, len(base)) if base[i:i + 1].isprintable()
                      and base[i:i + 1].strip()), None)
         if stop is None:
             pytest.skip("tiny-random produced no printable character to stop on")
-        r = c.completions.create(model="m", prompt="Hello there", max_tokens=12, temperature=0,
+        r = c.completions.create(model="tiny-random", prompt="Hello there", max_tokens=12, temperature=0,
                                  stop=[stop], extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "stop"
         assert r.choices[0].text == base[:base.index(stop)]
@@ -89,13 +89,26 @@ def test_bad_input_is_400_with_openai_error_schema(serve):
         assert h.get("/v1/nope").json()["error"]["type"] == "not_found_error"
         assert h.get("/v1/chat/completions").status_code == 405
         for body, param in [
-            ({"model": "m"}, "messages"),
-            ({"model": "m", "messages": []}, "messages"),
-            ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-            ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
-            ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
-            ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
-            ({"model": "m", "prompt": []}, "prompt"),
+            ({"model": "tiny-random"}, "messages"),
+            ({"model": "tiny-random", "messages": []}, "messages"),
+            ({"model": "tiny-random", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+            ({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
+            ({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+            ({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
+            ({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "n": 2, "temperature": 0}, "n"),
+            ({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+             "tool_choice"),
+            ({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+             "tools[0]"),
+            ({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}],
+              "tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+            ({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}],
+              "response_format": {"type": "yaml"}}, "response_format"),
+            ({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, "presence_penalty"),
+            ({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+            ({"model": "tiny-random", "prompt": "x", "logprobs": 9}, "logprobs"),
+            ({"model": "tiny-random", "prompt": []}, "prompt"),
         ]:
             path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
             r = h.post(path, json=body)
@@ -104,13 +117,13 @@ def test_bad_input_is_400_with_openai_error_schema(serve):
             assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
         c = srv.client()
         with pytest.raises(openai.BadRequestError) as ei:  # prompt over the 512-token device pool
-            c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 600}], max_tokens=4)
+            c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "x" * 600}], max_tokens=4)
         assert ei.value.status_code == 400 and "device" in ei.value.message
         assert ei.value.code == "context_length_exceeded"
         with pytest.raises(openai.BadRequestError):  # prompt fits, prompt + max_tokens does not
-            c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 400}], max_tokens=400)
+            c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "x" * 400}], max_tokens=400)
         # the server still works afterwards
-        assert c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+        assert c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}],
                                          max_tokens=2).usage.completion_tokens >= 1
 
 
@@ -141,7 +154,7 @@ def test_sixteen_concurrent_streams_complete(serve):
             try:
                 c = srv.client()
                 chunks = list(c.chat.completions.create(
-                    model="m", messages=[SYSTEM, {"role": "user", "content": f"stream {i}"}],
+                    model="tiny-random", messages=[SYSTEM, {"role": "user", "content": f"stream {i}"}],
                     max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True},
                     extra_body={"ignore_eos": True,
                                 "custom_params": chat_hints(f"wf{i % 4}", "planner", {"planner": 0})}))
@@ -162,7 +175,7 @@ def test_sixteen_concurrent_streams_complete(serve):
 
 def test_client_disconnect_frees_its_slots(serve):
     with serve(policy="kvflow", device_tokens=8192) as srv:
-        body = {"model": "m", "messages": [SYSTEM, {"role": "user", "content": "long"}],
+        body = {"model": "tiny-random", "messages": [SYSTEM, {"role": "user", "content": "long"}],
                 "max_tokens": 4000, "temperature": 0, "stream": True, "ignore_eos": True}
         with httpx.Client(base_url=srv.url, timeout=30) as h:
             with h.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -184,7 +197,7 @@ def test_metrics_endpoint(serve):
     with serve(policy="kvflow") as srv:
         c = srv.client()
         for i in range(2):
-            c.chat.completions.create(model="m", messages=[SYSTEM, {"role": "user", "content": f"q{i}"}],
+            c.chat.completions.create(model="tiny-random", messages=[SYSTEM, {"role": "user", "content": f"q{i}"}],
                                       max_tokens=2, extra_body={"custom_params": {"kvflow_v": 99}})
         wait_for(lambda: srv.engine.stats()["counters"]["finished"] == 2)
         text = httpx.get(srv.url + "/metrics").text
@@ -200,7 +213,7 @@ def test_request_json_roundtrip_raw_http(serve):
     """A plain HTTP client (no SDK) gets an SSE stream ending in [DONE]."""
     with serve(policy="hicache") as srv:
         with httpx.Client(base_url=srv.url, timeout=30) as h:
-            r = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True,
+            r = h.post("/v1/completions", json={"model": "tiny-random", "prompt": "hi", "max_tokens": 3, "stream": True,
                                                 "ignore_eos": True})
             events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
             assert events[-1] == "[DONE]"

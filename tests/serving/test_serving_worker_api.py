@@ -24,7 +24,7 @@ def test_worker_endpoints_health_states_and_instance_header(serve, monkeypatch):
         (load,) = c.get("/v1/loads").json()["loads"]
         assert load["max_total_num_tokens"] == 4096 and load["num_running_reqs"] == 0
         assert c.get("/get_load").json()[0]["num_reqs"] == 0
-        r = c.post("/v1/completions", json={"model": "m", "prompt": "hello there", "max_tokens": 2})
+        r = c.post("/v1/completions", json={"model": "tiny-random", "prompt": "hello there", "max_tokens": 2})
         assert r.headers["x-kvflow-instance"] == "w7"
         # cached prefixes are not "KV usage": the gateway would call the worker overloaded
         assert c.get("/v1/loads").json()["loads"][0]["token_usage"] == 0.0
@@ -34,7 +34,7 @@ def test_worker_endpoints_health_states_and_instance_header(serve, monkeypatch):
         assert c.post("/kvflow/v1/drain").json()["status"] == "draining"
         h = c.get("/health")
         assert h.status_code == 503 and h.json()["status"] == "draining"
-        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+        assert c.post("/v1/completions", json={"model": "tiny-random", "prompt": "x", "max_tokens": 1}).status_code == 200
         c.delete("/kvflow/v1/drain")
         assert c.get("/health").status_code == 200
 
@@ -43,7 +43,8 @@ def test_hint_only_completion_applies_the_event_without_a_model_step(serve):
     with serve() as srv:
         c = httpx.Client(base_url=srv.url)
         h = Hints(workflow="wf", agent="planner", ste={"planner": 0, "coder": 1}, next=["coder"])
-        c.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "You plan. " * 10},
+        c.post("/v1/chat/completions", json={"model": "tiny-random",
+                                             "messages": [{"role": "system", "content": "You plan. " * 10},
                                                           {"role": "user", "content": "go"}],
                                              "max_tokens": 2, "custom_params": h.to_custom_params()})
         assert [w["workflow"] for w in c.get("/kvflow/v1/cache").json()["workflows"]] == ["wf"]
@@ -54,7 +55,8 @@ def test_hint_only_completion_applies_the_event_without_a_model_step(serve):
         assert srv.engine.stats()["counters"]["requests"] == before  # no model step
         assert c.get("/kvflow/v1/cache").json()["workflows"] == []  # released
         # an event on a chat request is refused as a hint, the request still answers
-        bad = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+        bad = c.post("/v1/chat/completions", json={"model": "tiny-random",
+                                                   "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
                                                    "metadata": {"kvflow": h.model_copy(update={"event": "end"}).to_metadata_value()}})
         assert bad.status_code == 200 and bad.headers["x-kvflow-hints"].startswith("rejected: kvflow_event")
 
@@ -62,7 +64,8 @@ def test_hint_only_completion_applies_the_event_without_a_model_step(serve):
 def test_labelled_metric_families_have_the_same_series_from_the_first_scrape(serve):
     with serve() as srv:
         first = httpx.get(srv.url + "/metrics").text
-        httpx.post(srv.base_url + "/completions", json={"prompt": "hello " * 50, "max_tokens": 2})
+        httpx.post(srv.base_url + "/completions", json={"model": "tiny-random", "prompt": "hello " * 50,
+                                                         "max_tokens": 2})
         later = httpx.get(srv.url + "/metrics").text
 
         def series(text):

@@ -320,3 +320,54 @@ def test_validate_reads_bench_config_and_template():
     assert min(lat, key=lat.get) == "oracle" and max(lat, key=lat.get) == "lru"
     with pytest.raises(ValueError, match="cycle"):
         paper.bench_config({"workload": {"variant": "fanout"}})
+
+
+def test_tables_fit_80_columns():
+    """`kvflow sim paper / sweep / run` stay readable in an 80-column terminal (no cell cut
+    short); --wide has every column."""
+    from typer.testing import CliRunner
+
+    from kvflow_agents.cli.main import app
+
+    env = {"COLUMNS": "80"}
+    for args in (["sim", "paper", "--quick", "--only", "single-h100", "--no-progress"],
+                 ["sim", "sweep", "--concurrency", "1,128", "--bandwidth", "0.05,0.1,0.25,0.5,1,2,4,8,16,64",
+                  "--fixed", "64", "--dynamic", "8", "--output", "8", "--no-progress"],
+                 ["sim", "run", "--fixed", "1024", "--agents", "4", "--rounds", "1", "--no-progress"]):
+        r = CliRunner().invoke(app, args, env=env)
+        assert r.exit_code == 0, r.output
+        lines = r.output.splitlines()
+        assert max(len(x) for x in lines) <= 80, args
+        assert "…" not in r.output, args
+    r = CliRunner().invoke(app, ["sim", "paper", "--quick", "--only", "single-h100", "--no-progress",
+                                 "--wide"], env={"COLUMNS": "160"})
+    assert r.exit_code == 0 and "hicache s" in r.output and "oracle s" in r.output
+
+
+def test_workflow_admission_is_opt_in_and_admits_whole_workflows():
+    """Memory-bound (running requests overflow the pool): with workflow-aware admission the
+    kvflow server runs fewer workflows at once, each without thrash, and every request still
+    finishes; off (the default) it is the request-by-request scheduler."""
+    from kvflow_agents.serving.sim import Simulator, cycle, load_profile
+
+    prof = load_profile("llama-3.1-8b-a10g")
+    mk = lambda: cycle(fixed=1024, dynamic=256, output=256, workflows=16, rounds=1,  # noqa: E731
+                       warmup_rounds=1, rotate=True, device_tokens=12000)
+    plain = Simulator(prof, mk(), "kvflow").run()
+    default = Simulator(prof, mk(), "kvflow", workflow_admission=False).run()
+    assert plain.latency_s == default.latency_s
+    sim = Simulator(prof, mk(), "kvflow", workflow_admission=True)
+    seen = []
+    orig = sim._admissible_workflows
+
+    def spy():
+        gate = orig()
+        if gate is not None:
+            seen.append(len(gate))
+        return gate
+    sim._admissible_workflows = spy
+    gated = sim.run()
+    assert gated.requests == plain.requests == 16 * 2 * 10
+    assert seen and max(seen) * (1024 + 256 + 256) <= 12000 + 2048   # the active set fits
+    assert gated.latency_s < plain.latency_s   # admitted workflows' rounds are not thrashed
+    sim.mgr.check_invariants()

@@ -15,9 +15,19 @@ Public API (all under ``torch.inference_mode``; ``kv`` is ``pool.device_kv``):
   written at ``[cached_len, cached_len+n)`` (``pages`` must cover them) and attend over
   prefix + new, in chunks. Returns fp32 logits ``[vocab]`` of the last token
   (``[n, vocab]`` with ``return_all``).
-- ``LlamaModel.decode_batch(kv, [(token, pages, cached_len), ...])``: one new token per
-  sequence, written at position ``cached_len``; batched across sequences (pages padded, keys
-  masked). Returns fp32 logits ``[B, vocab]``.
+- ``LlamaModel.decode_batch(kv, [(token, pages, cached_len), ...], *, invariant_rows=None)``:
+  one new token per sequence, written at position ``cached_len``; batched across sequences
+  (pages padded, keys masked). Returns fp32 logits ``[B, vocab]``. With ``invariant_rows=R``
+  it is *batch-invariant*: a sequence's logits are bit-identical whatever else is in the batch.
+
+Batch invariance (the deterministic mode, after SGLang's ``--enable-deterministic-inference``
+and vLLM's batch-invariant kernels): a GEMM's result for one row depends on the kernel the BLAS
+picks for the whole shape (small-M paths reduce in another order; on this project's CPU, fp32
+rows differ between M < 4 and M >= 4), and padding keys to the longest sequence of the batch
+changes the attention reductions' lengths. So ``invariant_rows`` runs every linear layer on
+exactly R rows (the batch padded; R = the engine's max batch), and attention per sequence over
+its own pages only. Costs: a lone sequence pays an R-row GEMM, and B small attention calls
+replace one batched call (``kvflow bench reliability`` measures it).
 
 Numerics: weights, activations and KV in ``config.dtype`` (bf16 by default); RMSNorm, RoPE,
 q·k scores and softmax in fp32. Attention is plain matmuls (faster than torch SDPA on CPU).
@@ -214,13 +224,16 @@ class LlamaModel:
 
     # -- decode --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode_batch(self, kv: torch.Tensor,
-                     seqs: Sequence[tuple[int, Sequence[int], int]]) -> torch.Tensor:
+    def decode_batch(self, kv: torch.Tensor, seqs: Sequence[tuple[int, Sequence[int], int]], *,
+                     invariant_rows: int | None = None) -> torch.Tensor:
         c, ps = self.config, kv.shape[3]
         B, H, KVH, hd = len(seqs), c.num_heads, c.num_kv_heads, c.head_dim
         if B == 0:
             raise ValueError("decode_batch needs at least one sequence")
         self._check_kv(kv)
+        if invariant_rows is not None:
+            R = int(invariant_rows)
+            return torch.cat([self._decode_invariant(kv, seqs[i:i + R], R) for i in range(0, B, R)])
         lens = [int(s[2]) for s in seqs]
         if max(lens) + 1 > c.max_position:
             raise ValueError("sequence exceeds max_position")
@@ -264,6 +277,54 @@ class LlamaModel:
             x = x + (o @ L["o"].T).float()
             x = x + self._mlp(x, L).float()
         return self._logits(x)
+
+    def _decode_invariant(self, kv: torch.Tensor, seqs, R: int) -> torch.Tensor:
+        """Batch-invariant decode of up to ``R`` sequences (see the module docstring): linear
+        layers on exactly ``R`` rows, attention one sequence at a time over its own pages."""
+        c, ps = self.config, kv.shape[3]
+        B, H, KVH, hd = len(seqs), c.num_heads, c.num_kv_heads, c.head_dim
+        lens = [int(s[2]) for s in seqs]
+        if max(lens) + 1 > c.max_position:
+            raise ValueError("sequence exceeds max_position")
+        dev = self.device
+        pages_of, slot_list = [], []
+        for (_, pages, ln) in seqs:
+            need = ln // ps + 1
+            if len(pages) < need:
+                raise ValueError(f"need {need} pages for position {ln}, got {len(pages)}")
+            pages_of.append(torch.as_tensor(list(pages[:need]), dtype=torch.long, device=dev))
+            slot_list.append(pages[need - 1] * ps + ln % ps)
+        pad = R - B
+        toks = torch.as_tensor([int(s[0]) for s in seqs] + [0] * pad, dtype=torch.long, device=dev)
+        pos = torch.as_tensor(lens + [0] * pad, dtype=torch.long, device=dev)
+        slots = torch.as_tensor(slot_list, dtype=torch.long, device=dev)
+        masks = [torch.zeros(len(p) * ps, 1, device=dev).masked_fill_(
+            (torch.arange(len(p) * ps, device=dev) > ln).unsqueeze(-1), float("-inf"))
+            for p, ln in zip(pages_of, lens)]
+        heads, owner, qblock = self._decode_gqa_helpers()
+        cos, sin = self.cos[pos], self.sin[pos]
+        scale = 1.0 / math.sqrt(hd)
+        x = self.embed[toks].float()                                          # [R, hidden]
+        for li, L in enumerate(self.layers):
+            qkv = self._rms(x, L["ln1"]) @ L["qkv"].T
+            q, k, v = qkv.split([self._q, self._kv, self._kv], -1)
+            q = self._rope(q.view(R, H, hd), cos, sin) * scale
+            k = self._rope(k.view(R, KVH, hd), cos, sin).to(kv.dtype)
+            flat = kv[li].view(2, -1, KVH, hd)
+            flat[0].index_copy_(0, slots, k[:B])
+            flat[1].index_copy_(0, slots, v[:B].reshape(B, KVH, hd))
+            qb = (q[:B].view(B, H, 1, hd) * qblock).view(B, H, KVH * hd).transpose(1, 2)
+            o = torch.zeros(R, H * hd, dtype=kv.dtype, device=dev)
+            for i in range(B):  # own pages only: shapes depend on this sequence alone
+                Tk = len(pages_of[i]) * ps
+                ka = kv[li, 0].index_select(0, pages_of[i]).view(1, Tk, KVH * hd)
+                va = kv[li, 1].index_select(0, pages_of[i]).view(1, Tk, KVH * hd)
+                sc = torch.bmm(ka.float(), qb[i:i + 1]).add_(masks[i]).softmax(1).to(va.dtype)
+                oi = torch.bmm(sc.transpose(1, 2), va)                        # [1, H, KVH*hd]
+                o[i] = oi.view(H, KVH, hd)[heads, owner].reshape(H * hd)
+            x = x + (o @ L["o"].T).float()
+            x = x + self._mlp(x, L).float()
+        return self._logits(x)[:B]
 
     def _decode_gqa_helpers(self):
         if not hasattr(self, "_gqa"):

@@ -12,6 +12,12 @@
 Key methods: ``encode``, ``decode``, ``apply_chat_template``, ``encode_chat``,
 ``fixed_prefix_tokens(messages, n)`` (token length of an agent's fixed prompt), ``eos_token_ids``,
 ``stream(stop=...)`` -> :class:`DetokenizeStream` for incremental detokenization with stop strings.
+
+Tools: ``apply_chat_template(messages, tools=[...])`` (OpenAI ``tools``), assistant messages with
+``tool_calls`` and ``role: "tool"`` results render in the Hermes/Qwen-2.5 ChatML layout of
+:mod:`..tool_calls` (tools listed in the system block, so an agent's tools are part of its fixed,
+cacheable prefix). A model whose own template is tool-aware (mentions ``tools``) gets its own
+template with HF's conventions instead.
 """
 
 from __future__ import annotations
@@ -43,6 +49,67 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+def _tool_aware(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
+def _has_tool_turns(messages: Sequence[dict]) -> bool:
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+TOOLS_DEFAULT_SYSTEM = "You are a helpful assistant."
+TOOLS_PREAMBLE = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
+TOOLS_POSTAMBLE = (
+    "</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def render_chatml_tools(messages: Sequence[dict], tools: Sequence[dict] | None,
+                        add_generation_prompt: bool = True) -> str:
+    """ChatML with tools (Hermes/Qwen-2.5 layout): the tool list goes in the system block;
+    assistant ``tool_calls`` become ``<tool_call>`` blocks; consecutive ``tool`` results become
+    one user turn of ``<tool_response>`` blocks. Written in Python (not jinja) so the exact bytes
+    are easy to see: they must match what the grammar lets the model write."""
+    from ..tool_calls import render_call
+
+    def turn(role: str, text: str) -> str:
+        return f"<|im_start|>{role}\n{text}<|im_end|>\n"
+
+    out: list[str] = []
+    msgs = list(messages)
+    first_system = bool(msgs) and msgs[0].get("role") in ("system", "developer")
+    if tools:
+        system = _message_text(msgs[0].get("content")) if first_system else TOOLS_DEFAULT_SYSTEM
+        listing = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tools)
+        out.append(turn("system", system + TOOLS_PREAMBLE + listing + TOOLS_POSTAMBLE))
+        msgs = msgs[1:] if first_system else msgs
+    i = 0
+    while i < len(msgs):
+        m = msgs[i]
+        role = m.get("role")
+        if role == "tool":
+            results = []
+            while i < len(msgs) and msgs[i].get("role") == "tool":
+                results.append(f"<tool_response>\n{_message_text(msgs[i].get('content'))}\n</tool_response>")
+                i += 1
+            out.append(turn("user", "\n".join(results)))
+            continue
+        text = _message_text(m.get("content"))
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [render_call((tc.get("function") or {}).get("name", ""),
+                                 (tc.get("function") or {}).get("arguments", {}))
+                     for tc in m["tool_calls"] if isinstance(tc, dict)]
+            text = "\n".join(([text] if text else []) + calls)
+        out.append(turn("system" if role == "developer" else str(role), text))
+        i += 1
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
 def _message_text(content) -> str:
     if content is None:
         return ""
@@ -63,6 +130,8 @@ class ChatTokenizer:
         ids = {tokenizer.token_to_id(t) for t in self.eos_tokens} | set(extra_eos_ids)
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self._template = None
+        self._max_token_bytes: int | None = None
+        self._offload = None  # tokenize_worker.OffloadEncoder, see offload_long_texts
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -150,19 +219,54 @@ class ChatTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the text bytes one token stands for: the longest vocabulary entry
+        in UTF-8 (specials included). Byte-level BPE spells each byte as one character and
+        SentencePiece / byte-fallback spellings are no shorter than their text, so a text of
+        ``b`` bytes has at least ``b / max_token_bytes`` tokens (the server's size check)."""
+        if self._max_token_bytes is None:
+            vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab),
+                                        default=1)
+        return self._max_token_bytes
+
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
         """Special tokens written in ``text`` (e.g. ``<|im_start|>``) map to their ids."""
+        if self._offload is not None and len(text) >= self._offload.min_chars:
+            return self._offload.encode(text)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def offload_long_texts(self, min_chars: int = 64 * 1024) -> None:
+        """Encode texts of ``min_chars`` or more in a helper process (``spawn``ed at the first).
+
+        Why: ``tokenizers`` does not always release the GIL while it encodes (measured: a 650k
+        character prompt held it for ~0.8 s in one call, not in the next), and a server's event
+        loop must not stall while a maximum-size prompt is tokenized. A process costs one IPC
+        round trip (the text is pickled, ids come back), only for long texts."""
+        if self._offload is None:
+            from ..tokenize_worker import OffloadEncoder
+            self._offload = OffloadEncoder(self.tokenizer, min_chars)
+
+    def close(self) -> None:
+        if self._offload is not None:
+            self._offload.close()
+            self._offload = None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # -- chat --------------------------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            **kwargs) -> str:
+                            tools: Sequence[dict] | None = None, **kwargs) -> str:
+        if (tools or _has_tool_turns(messages)) and not _tool_aware(self.chat_template) \
+                and self.token_to_id("<|im_start|>") is not None:
+            return render_chatml_tools(messages, tools, add_generation_prompt)
+        if tools:
+            kwargs["tools"] = list(tools)
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if self._template is None:
@@ -181,12 +285,13 @@ class ChatTokenizer:
                                      eos_token=self.eos_tokens[0] if self.eos_tokens else "",
                                      **kwargs)
 
-    def encode_chat(self, messages: Sequence[dict],
-                    add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools=tools))
 
     def fixed_prefix_tokens(self, messages: Sequence[dict], n_fixed_messages: int,
-                            full_ids: Sequence[int] | None = None) -> int:
+                            full_ids: Sequence[int] | None = None,
+                            tools: Sequence[dict] | None = None) -> int:
         """Token length of the first ``n_fixed_messages`` rendered, i.e. where an agent's fixed
         prompt ends inside ``encode_chat(messages)`` (pass it as ``full_ids`` to skip re-encoding).
 
@@ -199,8 +304,8 @@ class ChatTokenizer:
             return 0
         from kvflow_agents.serving.policy import common_prefix_len
 
-        prefix = self.encode(self.apply_chat_template(messages[:n], add_generation_prompt=False))
-        full = list(full_ids) if full_ids is not None else self.encode_chat(messages)
+        prefix = self.encode(self.apply_chat_template(messages[:n], add_generation_prompt=False, tools=tools))
+        full = list(full_ids) if full_ids is not None else self.encode_chat(messages, tools=tools)
         return common_prefix_len(list(prefix), full)
 
     # -- streaming ---------------------------------------------------------------------------

@@ -1,0 +1,154 @@
+"""Tool gaps: while an agent waits on a tool, keep (or bring back in time) the start of its
+resumed turn.
+
+A ReAct-style agent calls a tool and stops; the tool runs for a while; the agent's next request
+is its last one plus what it generated plus the tool's result. So that request's cached prefix
+is the agent's *whole last turn* — its dynamic part included, which STE eviction otherwise
+treats as the first thing to drop (a dynamic suffix has priority +inf). The client knows the
+tool's expected duration (measured per tool) and sends it as ``kvflow_tool_s = {agent:
+seconds}`` when the tool step starts; this module turns that into a **resume tag**: a tag
+``(workflow, agent + RESUME)`` on the node where the agent's last turn ends, in the same
+:class:`~.tags.TagBook` as the fixed prefixes (so the priority index, eviction, write-through
+and the prefetcher treat it like any agent prefix), with a time plan
+(Continuum-style time-to-live, from the graph's measured tool duration instead of a guess)::
+
+    t0 (tool starts)      resume_at - lead        resume_at = t0 + expected    expires_at
+    |--- hold: STE 2 ---------|--- near: STE 1 ---------|--- grace ---------------|  dropped
+       kept above dynamic         the prefetcher brings       a slow tool: still
+       suffixes (+inf); not       a host copy back to         protected, up to
+       loaded back yet            device in time              2 x expected + min_grace_s
+
+``lead`` = the link's estimate for the tag's host pages + ``lead_margin_s``: a long tool call
+does not hold device room other agents need now, and the KV is back when the agent resumes.
+The tag goes when the agent's next request arrives (its own request pins the path), when the
+workflow ends, or at ``expires_at`` (a tool far slower than measured: no plan any more).
+
+Invariants: T1 a resume tag exists only while its gap is open (between the tool hint and the
+agent's next request or the expiry); T2 its STE is ``hold_ste`` before ``resume_at - lead``
+and ``near_ste`` from then on; T3 without ``kvflow_tool_s`` nothing here runs (the policy is
+exactly the one without tool gaps).
+
+Pure Python, engine-agnostic: the manager calls :meth:`finished` (a request's written tokens),
+:meth:`waiting` (a tool hint), :meth:`arrived` (a request of that agent), :meth:`tick` and
+:meth:`release`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .hints import workflow_key
+
+RESUME = "\u27f2"  # appended to an agent's name: its resume tag ("executor/agent⟲")
+INF = math.inf
+
+
+@dataclass
+class Gap:
+    workflow: str
+    app: str | None
+    agent: str
+    started: float
+    resume_at: float
+    expires_at: float
+    ste: float = INF
+
+
+def resume_agent(agent: str) -> str:
+    return agent + RESUME
+
+
+class ToolGaps:
+    """Resume tags with a time plan (module doc)."""
+
+    def __init__(self, tags: Any, *, load_s: Callable[[Any], float] | None = None,
+                 hold_ste: float = 2, near_ste: float = 1, lead_margin_s: float = 0.05,
+                 min_grace_s: float = 1.0, max_tracked: int = 4096) -> None:
+        self.tags = tags
+        self.load_s = load_s or (lambda node: 0.0)
+        self.hold_ste, self.near_ste = hold_ste, near_ste
+        self.lead_margin_s = lead_margin_s
+        self.min_grace_s = min_grace_s
+        self.max_tracked = max_tracked
+        self.last: "OrderedDict[tuple, tuple]" = OrderedDict()  # (wf key, agent) -> last turn's tokens
+        self.gaps: dict[tuple, Gap] = {}                         # (wf key, agent) -> open gap
+        self.opened = self.closed_by_request = self.expired = 0
+
+    # ------------------------------------------------------------------ events
+    def finished(self, workflow: str, agent: str, app: str | None, tokens: Sequence[int]) -> None:
+        """A request of ``agent`` finished with ``tokens`` (prompt + generated, with KV) cached."""
+        key = (workflow_key(workflow, app), agent)
+        self.last[key] = tuple(tokens)
+        self.last.move_to_end(key)
+        while len(self.last) > self.max_tracked:
+            self.last.popitem(last=False)
+
+    def waiting(self, workflow: str, app: str | None, tool_s: dict, now: float) -> list[str]:
+        """A tool step started; ``tool_s``: agents that resume after it -> expected seconds.
+        Returns the agents that got a resume tag (those whose last turn is known)."""
+        out = []
+        for agent, secs in tool_s.items():
+            key = (workflow_key(workflow, app), agent)
+            tokens = self.last.get(key)
+            if not tokens:
+                continue
+            secs = max(0.0, float(secs))
+            gap = Gap(workflow, app, agent, now, now + secs, now + 2 * secs + self.min_grace_s)
+            self.gaps[key] = gap
+            self.tags.tag_fixed_prefix(tokens, len(tokens), workflow, resume_agent(agent), app=app,
+                                       remember=False)
+            self.opened += 1
+            self._set(gap, self._plan(gap, now), now)
+            out.append(agent)
+        return out
+
+    def arrived(self, workflow: str, agent: str, app: str | None, now: float) -> None:
+        """A request of ``agent`` arrived: its own request takes over; the gap closes."""
+        gap = self.gaps.pop((workflow_key(workflow, app), agent), None)
+        if gap is not None:
+            self.closed_by_request += 1
+            self._set(gap, INF, now)
+
+    def tick(self, now: float) -> None:
+        """Move each open gap along its plan (hold -> near -> expired)."""
+        for key, gap in list(self.gaps.items()):
+            ste = self._plan(gap, now)
+            if ste == INF:
+                del self.gaps[key]
+                self.expired += 1
+            if ste != gap.ste:
+                self._set(gap, ste, now)
+
+    def release(self, workflow: str, app: str | None = None) -> None:
+        """The workflow ended (its tags are dropped by the tag book)."""
+        wf = workflow_key(workflow, app)
+        for key in [k for k in self.gaps if k[0] == wf]:
+            del self.gaps[key]
+        for key in [k for k in self.last if k[0] == wf]:
+            del self.last[key]
+
+    # ------------------------------------------------------------------ plan
+    def _plan(self, gap: Gap, now: float) -> float:
+        if now >= gap.expires_at:
+            return INF
+        node = self.tags.agent_node(gap.workflow, resume_agent(gap.agent), gap.app)
+        lead = self.load_s(node) + self.lead_margin_s
+        return self.near_ste if now >= gap.resume_at - lead else self.hold_ste
+
+    def _set(self, gap: Gap, ste: float, now: float) -> None:
+        gap.ste = ste
+        self.tags.update(gap.workflow, {resume_agent(gap.agent): ste}, app=gap.app, now=now)
+
+    def next_change_at(self) -> float | None:
+        """When the next open gap moves on (for an engine that sleeps between steps)."""
+        times = []
+        for g in self.gaps.values():
+            if g.ste == self.near_ste:
+                times.append(g.expires_at)
+            else:
+                node = self.tags.agent_node(g.workflow, resume_agent(g.agent), g.app)
+                times.append(g.resume_at - self.load_s(node) - self.lead_margin_s)
+        return min(times) if times else None

@@ -1,0 +1,62 @@
+"""``kvflow bench engine``: the decode-step split is measured on real engines (tiny-random); the
+test checks the shape and the accounting, never a time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvflow_agents.bench import engine_step
+from kvflow_agents.cli.main import app
+
+
+@pytest.mark.parametrize("sink", ["asyncio", "direct"])
+def test_engine_bench_cli(tmp_path, sink):
+    out, png = tmp_path / "e.json", tmp_path / "e.png"
+    r = CliRunner().invoke(app, ["bench", "engine", "--policies", "oracle,kvflow", "--batch", "2,1",
+                                 "--context", "64", "--steps", "8", "--sink", sink, "--json", str(out),
+                                 "--plot", str(png)], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert max(len(x) for x in r.output.splitlines()) <= 80 and "target: rest <=" in r.output
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "engine" and doc["sink"] == sink
+    rows = doc["results"]
+    assert [(x["batch"], x["policy"]) for x in rows] == [(1, "oracle"), (1, "kvflow"), (2, "oracle"),
+                                                          (2, "kvflow")]
+    for x in rows:
+        assert x["steps"] >= 4                       # decode-only steps with the whole batch
+        assert x["step_ms"] > 0 and 0 < x["forward_ms"] <= x["step_ms"] * 1.5
+        assert x["rest_ms"] >= 0
+        assert set(x["breakdown_ms"]) == set(engine_step.CATEGORIES)
+        assert x["breakdown_ms"]["forward"] > 0 and x["breakdown_ms"]["detokenise"] > 0
+        assert x["breakdown_ms"]["sinks"] > 0 and x["breakdown_ms"]["cache"] > 0
+    s = doc["summary"]
+    assert set(s["batch1_rest_ms"]) == {"oracle", "kvflow"} and isinstance(s["met"], bool)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_engine_bench_rejects_bad_flags():
+    r = CliRunner().invoke(app, ["bench", "engine", "--batch", "0"], env={"COLUMNS": "120"})
+    assert r.exit_code == 2 and "[1, 256]" in r.output
+    r = CliRunner().invoke(app, ["bench", "engine", "--sink", "pipe"], env={"COLUMNS": "120"})
+    assert r.exit_code == 2 and "asyncio" in r.output
+
+
+def test_timers_charge_exclusive_time(monkeypatch):
+    """A nested wrapped call is charged to its own category, not to its caller's (fake clock)."""
+    now = [0.0]
+    monkeypatch.setattr(engine_step.time, "perf_counter", lambda: now[0])
+    t = engine_step._Timers()
+
+    def cache_work():
+        now[0] += 2.0
+    inner = t.wrap("cache", cache_work)
+
+    def sink_work():
+        now[0] += 1.0
+        inner()
+        now[0] += 0.5
+    t.wrap("sinks", sink_work)()
+    assert t.step == {"cache": 2.0, "sinks": 1.5}
