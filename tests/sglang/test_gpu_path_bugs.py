@@ -73,7 +73,7 @@ class OverlapRingTest(UnifiedRadixCacheFixtures, unittest.TestCase):
         self.fixed = {a: seq(1000 * (i + 1), 16) for i, a in enumerate(self.agents)}
         for a in self.agents:
             run_request(self, self.cache, self.alloc, self.r2t, self.fixed[a],
-                        hints("wf", a, {a: 9}, fixed_tokens=16)
+                        hints("wf", a, {a: 0}, fixed_tokens=16)
                         if cache_class is KVFlowRadixCache else None)
         self._backup_tree(self.cache)
         self.cache.evict(EvictParams(num_tokens=self.cache.evictable_size()))
@@ -84,8 +84,11 @@ class OverlapRingTest(UnifiedRadixCacheFixtures, unittest.TestCase):
         prefetches; build the next prefill batch, whose demand load takes the next ring slot;
         launch it; then finish the previous batch (its forward waited for its own load)."""
         if prefetch is not None:
+            # A map a real client sends: the sender running (0), the agent it names next (1).
+            # (Maps that keep naming agents that never come would lose the workflow's hint
+            # trust, and a distrusted workflow gets no prefetch: serving/policy/hints.py.)
             self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="router",
-                                                ste={prefetch: 1}))
+                                                ste={"router": 0, prefetch: 1}))
         self.cache.check_hicache_events()
         slot = -1
         if demand is not None:
