@@ -53,9 +53,14 @@ endif
 test-main: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-test-sglang:
+# tests/sglang: the plugin on SGLang's real classes (in the SGLang venv). tests/sglang_server:
+# stock SGLang's real server (subprocesses of the SGLang venv's python, on this CPU under the
+# test shims of tests/sglang/support) driven from the main venv the way an app would drive it
+# (openai client, LangGraph + kvflow.instrument); each server configuration starts once.
+test-sglang: $(STAMP)
 	TORCH_PIP_ARGS="$(TORCH_PIP_ARGS)" bash serving/sglang/install-cpu.sh $(VENV)-sglang
 	$(VENV)-sglang/bin/pytest $(PYTEST_ARGS) tests/sglang
+	KVFLOW_SGLANG_PYTHON="$(abspath $(VENV)-sglang/bin/python)" $(VENV)/bin/pytest $(PYTEST_ARGS) tests/sglang_server
 
 clean:
 	rm -rf $(VENV) $(VENV)-sglang build dist *.egg-info

@@ -55,6 +55,8 @@ def _tail(path: Path, lines: int = 40, max_bytes: int = 64_000) -> str:
 class ServeProcess:
     """One ``kvflow serve`` child process (module doc)."""
 
+    health_path = "/health"   # polled until it answers 200 (SGLang's launcher: /health_generate)
+
     def __init__(self, args: Sequence[str] = (), *, host: str = "127.0.0.1",
                  port: Optional[int] = None, timeout_s: float = 300.0,
                  command: Optional[Sequence[str]] = None,
@@ -126,7 +128,7 @@ class ServeProcess:
                 if code is not None:
                     raise self._fail(f"exited with code {code} before it was healthy")
                 try:
-                    r = client.get(self.url + "/health")
+                    r = client.get(self.url + self.health_path)
                     if r.status_code == 200:
                         return
                     last_err = f"HTTP {r.status_code}"
@@ -134,7 +136,7 @@ class ServeProcess:
                     last_err = type(e).__name__
                 if time.monotonic() > deadline:
                     raise self._fail(f"was not healthy after {self.timeout_s:.0f}s "
-                                     f"(GET {self.url}/health: {last_err})")
+                                     f"(GET {self.url}{self.health_path}: {last_err})")
                 time.sleep(0.2)
 
     def stop(self, grace_s: float = 10.0, keep_log: bool = False) -> None:

@@ -90,17 +90,25 @@ class ExecutorOutput(TypedDict, total=False):
 _CHARS = r"A-Za-z0-9 ,.;:%'()/&+\-"   # prose: no quotes, braces or markup
 
 
+# xgrammar 0.2.7 (what SGLang 0.5.23 ships) fails to compile a repeat bounded above 128
+# ("per_rule_fsm_hashes ... Check failed"): keep every bound at or under it, so the same
+# schemas work on kvflow serve and on SGLang.
+_MAX_REPEAT = 128
+
+
 def _text(lo: int, hi: int, extra: str = "") -> dict:
     """A sentence of ``lo+1..hi+1`` characters starting with a capital or digit."""
-    return {"type": "string", "pattern": f"^[A-Z0-9][{_CHARS}{extra}]{{{lo},{hi}}}$"}
+    return {"type": "string", "pattern": f"^[A-Z0-9][{_CHARS}{extra}]{{{lo},{min(hi, _MAX_REPEAT)}}}$"}
 
 
-_QUESTION = {"type": "string", "pattern": f"^[A-Z][{_CHARS}]{{15,200}}\\?$"}
+_QUESTION = {"type": "string", "pattern": f"^[A-Z][{_CHARS}]{{15,{_MAX_REPEAT}}}\\?$"}
+
+
 def _cited(lo: int, hi: int) -> dict:
     """A sentence that starts with the [id] of the passage it rests on: the model copies an id
     from its context and then, as the passage follows that id there, the passage's own words
     (what a small model does well, instead of drifting or echoing its instructions)."""
-    return {"type": "string", "pattern": f"^\\[[A-Za-z0-9/#._\\-]{{3,48}}\\] [A-Z0-9][{_CHARS}]{{{lo},{hi}}}$"}
+    return {"type": "string", "pattern": f"^\\[[A-Za-z0-9/#._\\-]{{3,48}}\\] [A-Z0-9][{_CHARS}]{{{lo},{min(hi, _MAX_REPEAT)}}}$"}
 
 
 _FACT = _cited(10, 260)

@@ -109,13 +109,22 @@ class UsageByAgent(BaseCallbackHandler):
         self.on_chat_model_start(serialized, prompts, run_id=run_id, metadata=metadata)
 
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        # A structured reply cut by max_tokens reaches LangChain as an error
+        # (langchain-openai's LengthFinishReasonError) although the server answered and its
+        # usage is in the error's completion: count it like any other call.
+        usage = getattr(getattr(error, "completion", None), "usage", None)
+        if usage is not None and hasattr(usage, "model_dump"):
+            self._record(run_id, usage.model_dump(exclude_none=True))
+            return
         with self._lock:
             self._runs.pop(run_id, None)
 
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._record(run_id, extract_usage(response) or {})
+
+    def _record(self, run_id: UUID, usage: dict[str, Any]) -> None:
         with self._lock:
             agent, t0 = self._runs.pop(run_id, ("?", time.perf_counter()))
-        usage = extract_usage(response) or {}
         details = usage.get("prompt_tokens_details") or {}
         cached = _int(details.get("cached_tokens") if isinstance(details, dict) else 0)
         with self._lock:

@@ -51,6 +51,15 @@ class ServerConfig:
                           host_link_gbps=self.host_link_gbps, lookahead=self.lookahead,
                           max_batch=self.max_batch, extra=self.extra_args)
 
+    # Another engine's config (bench/sglang_engine.py) overrides these three.
+    def make_server(self, policy: str) -> BenchServer:
+        return BenchServer(self.args(policy), timeout_s=self.startup_timeout_s)
+
+    def display_argv(self, policy: str) -> list[str]:
+        return ["kvflow", "serve", *self.args(policy)]
+
+    request_extra: Optional[dict] = None   # added to every request body
+
 
 def parse_policies(text: str) -> list[str]:
     got = [p.strip() for p in text.split(",") if p.strip()]
@@ -195,9 +204,8 @@ class ServerSet:
     def __enter__(self) -> "ServerSet":
         try:
             for p in self.policies:
-                self.log(f"[{p}] starting: kvflow serve {' '.join(self.config.args(p))}")
-                self.servers[p] = BenchServer(self.config.args(p),
-                                              timeout_s=self.config.startup_timeout_s).start()
+                self.log(f"[{p}] starting: {' '.join(self.config.display_argv(p))}")
+                self.servers[p] = self.config.make_server(p).start()
         except BaseException:
             self.__exit__()
             raise
@@ -208,7 +216,7 @@ class ServerSet:
             srv.stop()
 
     def argv(self, p: str) -> list[str]:
-        return ["kvflow", "serve", *self.config.args(p)]
+        return self.config.display_argv(p)
 
 
 def rotated(items: Sequence[str], k: int) -> list[str]:
@@ -236,7 +244,8 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
             if progress is not None:
                 progress(f"advance:{label}", 1)
         res, delta = _run_workload(label, trial, spec, url, mdl, counter=counter, api_key=api_key,
-                                   on_call=on_call, stream=stream)
+                                   on_call=on_call, stream=stream,
+                                   extra=server.request_extra if server is not None else None)
         acc = merged.setdefault(label, WorkloadResult())
         acc.calls.extend(res.calls)
         acc.rounds.extend(res.rounds)
@@ -276,15 +285,15 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
 
 
 def _run_workload(label: str, trial: int, spec: WorkloadSpec, base_url: str, model: str, *,
-                  counter: TokenCounter, api_key: Optional[str], on_call, stream: bool = True
-                  ) -> tuple[WorkloadResult, Optional[dict]]:
+                  counter: TokenCounter, api_key: Optional[str], on_call, stream: bool = True,
+                  extra: Optional[dict] = None) -> tuple[WorkloadResult, Optional[dict]]:
     box: dict = {}
 
     async def main() -> WorkloadResult:
         await warm_kernels(base_url, model, api_key)
         drv = WorkflowDriver(spec, base_url, model, counter=counter, api_key=api_key, stream=stream,
                              run_id=f"{label}-t{trial}-{int(time.time())}", trial=trial,
-                             on_call=on_call)
+                             on_call=on_call, extra=extra)
 
         async def between() -> None:
             box["before"] = await fetch_cache_metrics(base_url, api_key)

@@ -281,6 +281,15 @@ class WorkloadResult:
     measured_s: float = 0.0           # wall time of the measured phase (all workflows)
 
 
+def _sglext_fields(rec: CallRecord, doc: dict) -> None:
+    """SGLang's ``sglext.cached_tokens_details`` (asked for with
+    ``return_cached_tokens_details``): prompt tokens served from device and loaded from host."""
+    det = (doc.get("sglext") or {}).get("cached_tokens_details") if isinstance(doc, dict) else None
+    if isinstance(det, dict):
+        rec.device_hit_tokens = int(det.get("device") or 0)
+        rec.host_hit_tokens = int(det.get("host") or 0)
+
+
 def _usage_fields(rec: CallRecord, usage: Optional[dict]) -> None:
     if not isinstance(usage, dict):
         return
@@ -330,6 +339,7 @@ async def chat_call(client: Any, base_url: str, model: str, messages: list[dict]
                             first = time.perf_counter()
                     if doc.get("usage"):
                         usage = doc["usage"]
+                    _sglext_fields(rec, doc)
         else:
             r = await client.post(url, json=body)
             rec.hints = r.headers.get("x-kvflow-hints")
@@ -337,6 +347,7 @@ async def chat_call(client: Any, base_url: str, model: str, messages: list[dict]
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
             usage = r.json().get("usage")
+            _sglext_fields(rec, r.json())
     except Exception as e:  # noqa: BLE001 — recorded, the benchmark goes on
         rec.ok, rec.error = False, f"{type(e).__name__}: {e}"
     end = time.perf_counter()
@@ -375,7 +386,8 @@ class WorkflowDriver:
     def __init__(self, spec: WorkloadSpec, base_url: str, model: str, *, counter: TokenCounter,
                  api_key: Optional[str] = None, hints: bool = True, stream: bool = True,
                  run_id: str = "", trial: int = 0,
-                 on_call: Optional[Callable[[CallRecord], None]] = None) -> None:
+                 on_call: Optional[Callable[[CallRecord], None]] = None,
+                 extra: Optional[dict] = None) -> None:
         spec.validate()
         self.spec, self.base_url, self.model = spec, base_url, model
         self.prompts = Prompts(spec, counter, trial)
@@ -389,6 +401,7 @@ class WorkflowDriver:
         self.run_id = run_id or f"{int(time.time() * 1000) % 10**8}"
         self.trial = trial
         self.on_call = on_call
+        self.extra = extra    # added to every request body (e.g. an engine's report switches)
 
     def workflow_id(self, w: int) -> str:
         return f"bench-{self.run_id}-wf{w}"
@@ -467,10 +480,10 @@ class WorkflowDriver:
         if self.send_hints:
             with kvflow.hints(h):
                 await chat_call(client, self.base_url, self.model, msgs, max_tokens=self.spec.output,
-                                stream=self.stream, rec=rec)
+                                stream=self.stream, extra=self.extra, rec=rec)
         else:
             await chat_call(client, self.base_url, self.model, msgs, max_tokens=self.spec.output,
-                            stream=self.stream, rec=rec)
+                            stream=self.stream, extra=self.extra, rec=rec)
         if self.on_call is not None:
             self.on_call(rec)
         return rec

@@ -200,6 +200,16 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         hint_lag: int = typer.Option(2, min=1, help="--hints stale: STE map from this many requests earlier."),
         wide: bool = typer.Option(False, help="Every table row (the default table fits 80 columns)."),
         progress: bool = typer.Option(True, help="Progress bars."),
+        engine: str = typer.Option("embedded", help="embedded (kvflow serve) or sglang (stock SGLang "
+                                   "0.5.23: lru = radix cache, hicache = + host tier, kvflow = + the "
+                                   "plugin, oracle = a device pool that holds everything)."),
+        model_path: Optional[str] = typer.Option(None, help="sglang engine: a HF model folder "
+                                                 "(default: --model's preset written as one)."),
+        sglang_python: Optional[str] = typer.Option(
+            None, envvar="KVFLOW_SGLANG_PYTHON", help="sglang engine: the SGLang environment's python "
+            "(default: .venv-sglang/bin/python of this checkout)."),
+        sglang_device: str = typer.Option("cpu", help="sglang engine: cpu (under the test shims of "
+                                          "tests/sglang/support) or cuda."),
     ) -> None:
         """The paper's synthetic workflow (fixed/dynamic/output tokens), one server per policy."""
         from rich.console import Console
@@ -218,6 +228,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter("must be > 0", param_hint="--host-link-gbps")
         if not 0 < load_fraction <= 10:
             raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
+        if engine not in ("embedded", "sglang"):
+            raise typer.BadParameter("choose embedded or sglang", param_hint="--engine")
+        if engine == "sglang" and preset is not None:
+            raise typer.BadParameter("--preset paper calibrates embedded servers; not with --engine sglang",
+                                     param_hint="--preset")
         _hint_mode(hints)
         pols = _policies(policies)
         console = Console(stderr=json_out == "-")
@@ -249,6 +264,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                             share_prompts=share_prompts, hints=hints, hint_lag=hint_lag)
         spec.validate()
         counter = token_counter(model if not base_url else (served_model or model))
+        if engine == "sglang" and not base_url:
+            from kvflow_agents.bench.sglang_engine import SGLangBenchError, bench_counter
+
+            try:
+                counter = bench_counter(model, model_path)
+            except SGLangBenchError as e:
+                raise typer.BadParameter(str(e), param_hint="--model/--model-path") from None
         fixed_total = fixed_prompt_tokens(spec, counter)
         meta: dict = {"bench": "workflow", "workload": spec.as_dict(), "policies_run": pols,
                       "tokenizer": counter.name, "fixed_prompt_tokens_total": fixed_total}
@@ -257,6 +279,19 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         server = None
         if base_url:
             console.print(f"measuring the running server at {base_url} (one column, 'external')")
+        elif engine == "sglang":
+            from kvflow_agents.bench import sglang_engine
+
+            try:
+                server = sglang_engine.workflow_server(
+                    spec, pols, counter=counter, model=model, model_path=model_path,
+                    python=sglang_python, device=sglang_device, device_tokens=device_tokens,
+                    device_fraction=device_fraction, host_tokens=host_tokens, page_size=page_size,
+                    host_link_gbps=host_link_gbps, load_fraction=load_fraction, lookahead=lookahead,
+                    fixed_total=fixed_total, meta=meta, log=lambda m: console.print(escape(m)))
+            except sglang_engine.SGLangBenchError as e:
+                console.print(f"[red]error:[/] {escape(str(e))}")
+                raise typer.Exit(2) from None
         else:
             server = _size_servers(spec, counter, model=model, pols=pols, device_tokens=device_tokens,
                                    device_fraction=device_fraction, host_tokens=host_tokens,
@@ -266,6 +301,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         meta["command"] = "kvflow bench workflow " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "workflow"] else [])
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"
+                 + (" on stock SGLang 0.5.23" if engine == "sglang" else "")
                  + ("" if hints == "on" else f", hints: {hints}"))
         _run_and_report(
             lambda hook, log: run_workflow_bench(spec, pols, server, counter=counter, base_url=base_url,

@@ -19,7 +19,12 @@ What it answers:
 
 ``secs_per_page`` is configured (bytes per page / link bytes per second) or measured from the
 loads that landed (link time only: a load queued behind another is timed from when the link
-freed up for it).
+freed up for it). A measured estimate is the median of the last ``CALIBRATION_SAMPLES`` loads of
+at least ``CALIBRATION_MIN_PAGES`` pages: an engine that learns of a landing only at its next
+step (SGLang reaps acks there) adds a fixed lag that swamps a one-page load, and one such sample
+must not price the link 100x too slow. A measured estimate is also only refreshed by loads, so
+after ``PROBE_AFTER_DECLINES`` declines in a row ``should_load`` lets one through (a probe):
+otherwise a too-slow estimate would decline every load forever and never be corrected.
 
 Hidden / exposed accounting (``metrics.load_hidden_s`` / ``load_exposed_s``): a demand load is
 exposed from its start to its landing; a prefetch is credited when a request first reads it
@@ -33,8 +38,10 @@ Invariant L1: ``inflight_prefetch`` = prefetch loads started and not done.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator
 
@@ -69,6 +76,10 @@ class Load:
 class LoadTracker:
     """In-flight loads, the link clock and load-versus-recompute estimates (module doc)."""
 
+    CALIBRATION_SAMPLES = 9
+    CALIBRATION_MIN_PAGES = 4
+    PROBE_AFTER_DECLINES = 16
+
     def __init__(self, metrics: CacheMetrics, *, secs_per_page: float | None = None,
                  recompute_s_per_token: float | None = None,
                  recompute_cost: Callable[[int, int], float] | None = None,
@@ -87,6 +98,8 @@ class LoadTracker:
         self._heap: list = []            # (ready, seq, Load) for timed loads
         self._inflight: dict[int, Load] = {}
         self._seq = itertools.count()
+        self._spp_samples: collections.deque = collections.deque(maxlen=self.CALIBRATION_SAMPLES)
+        self._declined_in_row = 0
 
     # ------------------------------------------------------------------ costs
     @property
@@ -116,7 +129,15 @@ class LoadTracker:
         return None if spt is None else n_tokens * spt
 
     def should_load(self, n_pages: int, recompute_s: float | None, now: float) -> bool:
-        return recompute_s is None or self.estimate_load_s(n_pages, now) <= recompute_s
+        if recompute_s is None or self.estimate_load_s(n_pages, now) <= recompute_s:
+            self._declined_in_row = 0
+            return True
+        if self.configured_spp is None and self.measured_spp is not None:
+            self._declined_in_row += 1
+            if self._declined_in_row >= self.PROBE_AFTER_DECLINES:  # re-measure the link (doc)
+                self._declined_in_row = 0
+                return True
+        return False
 
     def observe_step(self, seconds: float) -> None:
         """The engine's busy scheduler step took ``seconds`` (the admission delay, EMA)."""
@@ -177,11 +198,11 @@ class LoadTracker:
         self.observe_load(ld.pages, ld.ready - ld.link_start if measured_s is None else measured_s)
 
     def observe_load(self, pages: int, seconds: float) -> None:
-        """A transfer of ``pages`` took ``seconds`` on the link (``secs_per_page``, EMA)."""
-        if pages and seconds > 0:
-            spp = seconds / pages
-            old = self.measured_spp
-            self.measured_spp = spp if old is None else 0.7 * old + 0.3 * spp
+        """A transfer of ``pages`` took ``seconds`` on the link (``secs_per_page``: median of recent
+        loads of at least ``CALIBRATION_MIN_PAGES`` pages, module doc)."""
+        if pages >= self.CALIBRATION_MIN_PAGES and seconds > 0:
+            self._spp_samples.append(seconds / pages)
+            self.measured_spp = statistics.median(self._spp_samples)
 
     @property
     def in_flight(self) -> int:

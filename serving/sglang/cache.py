@@ -139,11 +139,9 @@ class ReqHints:
 
 @dataclass
 class InflightLoad:
-    """A proactive load in flight: what status-aware admission compares prompts with."""
+    """A proactive load in flight: the nodes whose KV has not landed yet."""
     load: Any                       # the LoadTracker's Load
-    tokens: tuple                   # page-aligned tokens root -> anchor
-    extra_key: Any
-    ready_len: int                  # tokens readable before the first loaded node
+    nodes: tuple                    # SGLang tree nodes being loaded (device values not landed)
 
 
 class _SGLangTarget:
@@ -191,7 +189,7 @@ class KVFlowRadixCache(UnifiedRadixCache):
     # Tunables (class attributes so a launcher / test can set them; plain ints and floats)
     lookahead: float = 1
     lease_s: float = 60.0
-    max_inflight_prefetch: int = 2   # <= SGLang's load-back slots (3); leaves one for demand
+    max_inflight_prefetch: int = 2   # proactive loads in flight (their own ring has one slot more)
     infer_window: int = 3
     default_step_s: float = 1.0
     recompute_s_per_token: Optional[float] = None  # None: measured prefill speed
@@ -254,13 +252,15 @@ class KVFlowRadixCache(UnifiedRadixCache):
         self._req_hints: dict[Any, ReqHints] = {}
         self._kv_loads: dict[int, Any] = {}        # anchor node id -> Load (demand + prefetch)
         self._inflight: dict[int, InflightLoad] = {}  # anchor node id -> proactive load
+        self._inflight_nodes: dict[int, InflightLoad] = {}  # every node id being loaded -> it
+        self._kv_ring = None   # the proactive loads' own layer-counter ring (_proactive_ring)
         self._kv_landed: dict[int, Any] = {}       # loaded node id -> landed, unread prefetch
         self._kv_queue: Optional[Callable[[], list]] = None
         self._kv_last_step: Optional[float] = None
         self._evict_floor: Optional[float] = None
         self.kv_stats = {"tags": 0, "prefetch_skipped_no_slot": 0, "prefetch_declined": 0,
-                         "hints": 0, "hint_errors": 0, "blocked_polls": 0,
-                         "floor_stops": 0, "inferred_tags": 0}
+                         "hints": 0, "hint_errors": 0, "stale_hints": 0, "requeued": 0,
+                         "blocked_polls": 0, "floor_stops": 0, "inferred_tags": 0}
 
     @property
     def kv_index(self) -> PriorityIndex:
@@ -332,7 +332,7 @@ class KVFlowRadixCache(UnifiedRadixCache):
             if n.evicted:
                 return "host"
             n = n.parent
-        if any(node in inf.load.nodes for inf in self._inflight.values()):
+        if node.id in self._inflight_nodes:
             return "loading"
         return "device"
 
@@ -344,8 +344,9 @@ class KVFlowRadixCache(UnifiedRadixCache):
 
     def _kv_now(self) -> float:
         """The clock leases and load estimates use. Single rank: wall time. Several ranks: a
-        value all ranks agreed on (MIN all-reduce every CLOCK_SYNC_STEPS scheduler steps), so
-        a lease expires at the same step everywhere and eviction stays identical across ranks."""
+        value all ranks agreed on (MIN all-reduce every CLOCK_SYNC_STEPS scheduler steps, see
+        :meth:`kvflow_step`), so a lease expires at the same step everywhere and eviction stays
+        identical across ranks."""
         if not self._multi_rank():
             return self._wall_clock()
         return self._kv_clock
@@ -353,6 +354,14 @@ class KVFlowRadixCache(UnifiedRadixCache):
     @staticmethod
     def _wall_clock() -> float:
         return time.time()
+
+    def kvflow_step(self) -> None:
+        """Once per scheduler loop iteration, on every rank at the same point of its request
+        stream (the hook on ``process_input_requests``): the only place the plugin runs a
+        collective. Never from eviction or allocation: SGLang does not make those collective
+        (a rank may evict alone), and an all-reduce there would wait forever for the others."""
+        if getattr(self, "_kv_ready", False):
+            self._kv_tick()
 
     def _kv_tick(self) -> None:
         self._kv_steps += 1
@@ -407,8 +416,26 @@ class KVFlowRadixCache(UnifiedRadixCache):
         info = self._req_hints[req.rid] = ReqHints((wf, hints.agent), hints.workflow, hints.agent,
                                                    hints.app, fixed)
         self.kv_prefetcher.hold(info.tag)  # its own request decides (demand load / recompute)
+        # SGLang queues a request again after a retraction, a preemption or a grammar wait,
+        # through the same _add_request_to_queue: its hints were taken the first time and the
+        # workflow may have moved on since. Only its tag bookkeeping above is renewed.
+        if getattr(req, "kvflow_hints_taken", False):
+            self.kv_stats["requeued"] += 1
+            return hints
+        try:
+            req.kvflow_hints_taken = True
+        except AttributeError:  # a request object that takes no attributes: step check only
+            pass
+        if self._stale(hints):
+            self.kv_stats["stale_hints"] += 1
+            return hints
         self.kvflow_apply_hints(hints)
         return hints
+
+    def _stale(self, hints: Hints) -> bool:
+        """A request's hint from an earlier step than its workflow's latest: superseded."""
+        w = self.kv_hints.workflows.get(workflow_key(hints.workflow, hints.app))
+        return w is not None and w.step is not None and not w.expired and hints.step < w.step
 
     def _unhold(self, info: ReqHints) -> None:
         if info.held:
@@ -565,12 +592,10 @@ class KVFlowRadixCache(UnifiedRadixCache):
 
     # ------------------------------------------------------------------ eviction
     def _evict(self, params, available_size_targets=None, *, allocation_reclaim_satisfied=None):
-        # Leases are checked right before eviction decisions. Without HiCache the scheduler
-        # never calls check_hicache_events, so the (rank-agreed) clock is advanced here too.
+        # Leases are checked right before eviction decisions, on the rank-agreed clock (no
+        # collective here: a rank may evict alone; the clock advances in kvflow_step).
         if getattr(self, "_kv_ready", False):
             try:
-                if self.cache_controller is None:
-                    self._kv_tick()
                 self.kvflow_expire()
             except Exception:
                 logger.exception("kvflow: lease check failed")
@@ -604,7 +629,6 @@ class KVFlowRadixCache(UnifiedRadixCache):
             return
         try:
             self._observe_step()
-            self._kv_tick()
             self.kvflow_expire()
             self.kvflow_prefetch()
         except Exception:
@@ -623,7 +647,10 @@ class KVFlowRadixCache(UnifiedRadixCache):
                 self._kv_local.observe_load(ld.pages, measured)
                 measured = 0.0
             self.kv_loads.complete(ld, now, measured_s=measured)
-            if self._inflight.pop(anchor, None) is not None:
+            inf = self._inflight.pop(anchor, None)
+            if inf is not None:
+                for n in inf.nodes:
+                    self._inflight_nodes.pop(n.id, None)
                 for n in ld.nodes:  # landed, unread: the first request that reads it credits it
                     self._kv_landed[n.id] = ld
 
@@ -696,22 +723,58 @@ class KVFlowRadixCache(UnifiedRadixCache):
         self.kv_prefetcher.max_inflight = self.max_inflight_prefetch
         started = self.kv_prefetcher.run(self._kv_now())
         if started:
-            # Start the H2D copies now, as their own producer: no batch consumes them, so the
-            # scheduler hook keeps requests off these nodes until the acks (loading_check).
-            self.cache_controller.start_loading()
+            # Start the H2D copies now, on the proactive loads' own ring slot: no batch
+            # consumes them, so admission keeps requests off these nodes until the acks
+            # (loading_check), and SGLang's ring stays the demand loads' (see _proactive_ring).
+            with self._proactive_ring():
+                self.cache_controller.start_loading()
         return started
+
+    # SGLang's LayerDoneCounter is a ring of 3 per-layer event sets, sized for the overlap
+    # scheduler: a demand load's slot is reused only after the batch that consumed it has run,
+    # which the scheduler's pacing guarantees (and SGLang asserts). A proactive load has no
+    # consuming batch, so on that ring it would hold a slot for as long as the link takes and a
+    # later demand load would reuse it in flight. Proactive loads get a ring of their own: one
+    # slot more than the prefetch in-flight cap, and a slot is taken only when its last load
+    # has landed. The forward never waits on it (no batch names it as consumer).
+    def _proactive_counter(self):
+        cc = self.cache_controller
+        n = max(2, int(self.max_inflight_prefetch) + 1)
+        ring = self._kv_ring
+        if ring is None or ring.num_counters != n:
+            from sglang.srt.managers.cache_controller import LayerDoneCounter
+
+            ring = LayerDoneCounter(cc.layer_done_counter.num_layers)
+            if ring.num_counters != n:  # SGLang builds 3; size it to the cap
+                ring.num_counters = n
+                ring.events = [type(ring.events[0])(ring.num_layers) for _ in range(n)]
+            self._kv_ring = ring
+        return ring
+
+    def _proactive_slot_free(self) -> bool:
+        ring = self._proactive_counter()
+        nxt = (ring.producer_index + 1) % ring.num_counters
+        return bool(ring.events[nxt].finish_event.query())
+
+    @contextmanager
+    def _proactive_ring(self):
+        cc = self.cache_controller
+        main, cc.layer_done_counter = cc.layer_done_counter, self._proactive_counter()
+        try:
+            yield
+        finally:
+            cc.layer_done_counter = main
 
     def _start_prefetch(self, cand, now: float):
         """The prefetch target's start: SGLang's ``load_back`` with the eviction floor."""
         node = cand.node
-        if not self.has_free_load_back_slot():
+        if not self._proactive_slot_free():
             self.kv_stats["prefetch_skipped_no_slot"] += 1
             return None
         loading, n = [], node
         while n is not None and n.evicted:
             loading.append(n)
             n = n.parent
-        path = self._path_tokens(node)
         ntok = sum(len(x.key) for x in loading)
         with self._eviction_floor(cand.ste):
             ok = self.load_back(node.id)
@@ -723,8 +786,9 @@ class KVFlowRadixCache(UnifiedRadixCache):
                                  key=node.id)
         ld.wall_start = time.perf_counter()
         self._kv_loads[node.id] = ld
-        self._inflight[node.id] = InflightLoad(
-            ld, tuple(path), node.key.extra_key if node.key else None, len(path) - ntok)
+        inf = self._inflight[node.id] = InflightLoad(ld, tuple(loading))
+        for n in loading:
+            self._inflight_nodes[n.id] = inf
         return ld
 
     # ------------------------------------------------------------------ status-aware admission
@@ -732,27 +796,27 @@ class KVFlowRadixCache(UnifiedRadixCache):
         return bool(self._inflight)
 
     def kvflow_blocked(self, req) -> bool:
-        """Whether ``req``'s cached prefix reaches into a proactive load still in flight (the
-        wait is recorded: the load's exposed time runs from the first request it holds back)."""
-        if not self._inflight:
+        """Whether ``req``'s matched device prefix runs through a node whose proactive load
+        has not landed (the wait is recorded: the load's exposed time runs from the first
+        request it holds back).
+
+        Structural: SGLang's own match of the request (``req.last_node``, set by
+        ``init_next_round_input`` right before admission, with whatever key SGLang builds:
+        page-aligned, EAGLE bigrams, extra keys) is walked up to the root against the set of
+        nodes being loaded. SGLang counts a node as on device from the moment its load starts;
+        this is the check that it is not readable yet. Cost: the path's depth, no token read.
+        """
+        if not self._inflight_nodes:
             return False
-        ids = req.origin_input_ids
-        extra = getattr(req, "extra_key", None)
-        ps = self.page_size
-        for inf in self._inflight.values():
-            if inf.extra_key != extra:
-                continue
-            toks = inf.tokens
-            n = min(len(toks), len(ids))
-            if n <= inf.ready_len:
-                continue
-            i = inf.ready_len
-            # the first loaded page must match entirely for the match to reach it
-            while i < n and toks[i] == ids[i]:
-                i += 1
-            if i // ps * ps > inf.ready_len:
+        handle = getattr(req, "last_node", None)
+        node = self.tree_core._node_arena.get(handle) if handle is not None else None
+        root = self.tree_core.root_node
+        while node is not None and node is not root:
+            inf = self._inflight_nodes.get(node.id)
+            if inf is not None:
                 self.kv_loads.note_wait(inf.load, self._kv_now())
                 return True
+            node = node.parent
         return False
 
     # ------------------------------------------------------------------ introspection

@@ -1,17 +1,19 @@
 """Scheduler hooks (installed through SGLang's ``HookRegistry`` by ``plugin.register``).
 
-All three are no-ops unless the scheduler's tree cache is a :class:`KVFlowRadixCache`, and the
-status-aware one is a no-op while no proactive load is in flight, so a server that receives no
-hints schedules exactly as stock SGLang.
+All of them are no-ops unless the scheduler's tree cache is a :class:`KVFlowRadixCache`, and
+the admission one is a no-op while no proactive load is in flight, so a server that receives
+no hints schedules exactly as stock SGLang.
 
-- ``after_add_request_to_queue``: hint intake when a request is queued (``custom_params``).
-- ``around_get_new_batch_prefill_raw``: status-aware admission. Requests whose cached prefix
-  reaches into a proactive load still in flight are taken out of ``waiting_queue`` for this
-  round and put back afterwards in their original order. A load always ends (its ack is reaped
-  by ``loading_check`` every step), so a held request is never starved; requests behind it
-  are admitted meanwhile.
-- ``around_process_input_requests``: takes :class:`KVFlowControl` messages (out-of-band hints,
-  snapshot requests) out of the received batch and applies them on every rank.
+- ``after_add_request_to_queue``: hint intake when a request is queued (``custom_params``);
+  a re-queued request (retraction, preemption, grammar wait) does not replay its hints.
+- ``around_add_one_req`` (``PrefillAdder.add_one_req``): status-aware admission. SGLang's
+  prefill builder has just matched the request (``init_next_round_input``); if that match runs
+  through a node whose proactive load has not landed, the request is skipped for this round
+  (``CONTINUE``: the builder goes on with the requests behind it; the request stays queued in
+  its place). A load always ends (its ack is reaped every step), so it is never starved.
+- ``around_process_input_requests``: once per loop iteration on every rank: advances the
+  plugin's rank-agreed clock (its only collective) and takes :class:`KVFlowControl` messages
+  (out-of-band hints, snapshot requests) out of the received batch, applied on every rank.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 TARGET_ADD = f"{SCHEDULER}._add_request_to_queue"
-TARGET_PREFILL = f"{SCHEDULER}._get_new_batch_prefill_raw"
+TARGET_ADMIT = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 TARGET_INPUT = f"{SCHEDULER}.process_input_requests"
 
 
@@ -47,36 +49,48 @@ def after_add_request_to_queue(result, scheduler, req, *args, **kwargs):
     return None
 
 
-def around_get_new_batch_prefill_raw(original, scheduler, *args, **kwargs):
-    cache = _kvflow_cache(scheduler)
+def around_add_one_req(original, adder, req, *args, **kwargs):
+    cache = _kvflow_cache(adder)
     if cache is None or not cache.kvflow_has_inflight():
-        return original(scheduler, *args, **kwargs)
-    queue = scheduler.waiting_queue
-    held = [r for r in queue if cache.kvflow_blocked(r)]
-    if not held:
-        return original(scheduler, *args, **kwargs)
-    cache.kv_stats["blocked_polls"] += len(held)
-    order = list(queue)
-    held_ids = {id(r) for r in held}
-    scheduler.waiting_queue = [r for r in queue if id(r) not in held_ids]
+        return original(adder, req, *args, **kwargs)
     try:
-        return original(scheduler, *args, **kwargs)
-    finally:
-        # The original may reassign or reorder waiting_queue; keep what it left, restore the
-        # held requests, original order first, then anything it appended.
-        remaining = scheduler.waiting_queue
-        keep = {id(r) for r in remaining} | held_ids
-        known = {id(r) for r in order}
-        merged = [r for r in order if id(r) in keep]
-        merged.extend(r for r in remaining if id(r) not in known)
-        if isinstance(remaining, list):
-            remaining[:] = merged
-            scheduler.waiting_queue = remaining
-        else:
-            scheduler.waiting_queue = merged
+        blocked = cache.kvflow_blocked(req)
+    except Exception:  # never let bookkeeping stop admission
+        logger.exception("kvflow: admission check failed")
+        blocked = False
+    if not blocked:
+        return original(adder, req, *args, **kwargs)
+    cache.kv_stats["blocked_polls"] += 1
+    _undo_match_side_effects(cache, req)
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    return AddReqResult.CONTINUE
+
+
+def _undo_match_side_effects(cache, req) -> None:
+    """What SGLang's builder does for a request its adder did not take: the match may have
+    staged Mamba copy-on-write state or taken a Mamba slot (hybrid models only)."""
+    kv = getattr(req, "kv", None)
+    if kv is None:
+        return
+    if getattr(kv, "mamba_cow_src_index", None) is not None:
+        kv.mamba_cow_src_index = None
+    if getattr(kv, "mamba_needs_clear", False):
+        kv.mamba_needs_clear = False
+    if getattr(kv, "holds_mamba", False) and not getattr(req, "session", None):
+        pool = getattr(getattr(cache, "req_to_token_pool", None), "mamba_allocator", None)
+        if pool is not None and getattr(kv, "mamba_pool_idx", None) is not None:
+            pool.free(kv.mamba_pool_idx.unsqueeze(-1))
+            kv.mamba_pool_idx = None
 
 
 def around_process_input_requests(original, scheduler, recv_reqs, *args, **kwargs):
+    cache = _kvflow_cache(scheduler)
+    if cache is not None:
+        try:
+            cache.kvflow_step()
+        except Exception:
+            logger.exception("kvflow: clock step failed")
     if recv_reqs and any(isinstance(r, KVFlowControl) for r in recv_reqs):
         ours = [r for r in recv_reqs if isinstance(r, KVFlowControl)]
         recv_reqs = [r for r in recv_reqs if not isinstance(r, KVFlowControl)]
@@ -103,12 +117,31 @@ def handle_control(scheduler, msg: KVFlowControl) -> None:
         if hints is not None:
             cache.kvflow_apply_hints(hints)
     elif msg.kind == "snapshot":
-        if getattr(scheduler, "tp_rank", 0) != 0 or not msg.reply_to:
-            return
+        if not msg.reply_to or _tp_rank(cache) != 0:
+            return  # every rank gets the message; one answers
         snap = cache.kvflow_snapshot() if cache is not None else {
             "engine": "sglang", "policy": None,
             "error": "the tree cache is not KVFlowRadixCache (start with --radix-cache-backend kvflow)"}
+        from . import host_link
+
+        link = host_link.current()
+        snap["host_link"] = link.snapshot() if link is not None else None
         _push_json(msg.reply_to, snap)
+
+
+def _tp_rank(cache) -> int:
+    """This scheduler's TP rank: the cache's TP group when it has one (what its collectives
+    use), else SGLang's parallel context (0.5.23's ``Scheduler`` has no ``tp_rank``)."""
+    if cache is not None and cache.tp_world_size > 1 and cache.tp_group is not None:
+        import torch.distributed as dist
+
+        return dist.get_rank(group=cache.tp_group)
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank or 0)
+    except Exception:  # not published (a single process, tests): the only rank
+        return 0
 
 
 def _push_json(address: str, obj) -> None:

@@ -68,11 +68,25 @@ def fixed_prefix_tokens(tokenizer, messages: list, n_fixed: int, prompt_ids: lis
         return 0
     head = messages[:n_fixed]
     ids = tokenizer.apply_chat_template(head, tokenize=True, add_generation_prompt=False)
-    if isinstance(ids, dict):  # BatchEncoding
-        ids = ids["input_ids"]
+    if not isinstance(ids, list) and hasattr(ids, "keys") and "input_ids" in ids.keys():
+        ids = ids["input_ids"]  # a BatchEncoding (transformers 5 returns one), not a dict
     from kvflow_agents.serving.policy import common_prefix_len
 
     return common_prefix_len(list(ids), list(prompt_ids))
+
+
+def fixed_prefix_tokens_of_text(tokenizer, messages: list, n_fixed: int, prompt_text: str) -> int:
+    """The same for a request SGLang passes on as rendered ``text`` (text-only models): its
+    tokenizer manager encodes that text with ``tokenizer(text)``; encode the rendered first
+    ``n_fixed`` messages the same way and take the common prefix."""
+    if n_fixed <= 0 or not messages:
+        return 0
+    head = tokenizer.apply_chat_template(messages[:n_fixed], tokenize=False,
+                                         add_generation_prompt=False)
+    if not isinstance(head, str) or not prompt_text.startswith(head[:1]):
+        return 0
+    enc = lambda s: list(tokenizer(s)["input_ids"])  # noqa: E731  (what SGLang runs)
+    return common_prefix_len(enc(head), enc(prompt_text))
 
 
 def after_convert_to_internal_request(result, serving, request, *args, **kwargs):
@@ -95,12 +109,16 @@ def after_convert_to_internal_request(result, serving, request, *args, **kwargs)
         if getattr(adapted, "routing_key", None) is None:
             adapted.routing_key = workflow_key(hints.workflow, hints.app)
         ids = getattr(adapted, "input_ids", None)
-        if (hints.fixed_messages and isinstance(ids, list) and ids and isinstance(sp, dict)
-                and FIXED_TOKENS_KEY not in (sp.get("custom_params") or {})):
+        text = getattr(adapted, "text", None)
+        if (hints.fixed_messages and ((isinstance(ids, list) and ids) or isinstance(text, str))
+                and isinstance(sp, dict) and FIXED_TOKENS_KEY not in (sp.get("custom_params") or {})):
             msgs = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m)
                     for m in request.messages]
             tok = serving.tokenizer_manager.tokenizer
-            n = fixed_prefix_tokens(tok, msgs, hints.fixed_messages, ids)
+            if isinstance(ids, list) and ids:
+                n = fixed_prefix_tokens(tok, msgs, hints.fixed_messages, ids)
+            else:  # text-only models: SGLang sends the rendered text; its tokenizer runs later
+                n = fixed_prefix_tokens_of_text(tok, msgs, hints.fixed_messages, text)
             if n > 0:
                 cp = dict(sp.get("custom_params") or {})
                 cp[FIXED_TOKENS_KEY] = n

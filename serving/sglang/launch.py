@@ -8,7 +8,9 @@ Adds, unless the caller already chose them: ``--enable-hierarchical-cache``,
 TreeCore (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``: the Rust core rejects custom
 eviction policies). Our own flags are taken out of argv and passed through the environment,
 which SGLang's spawned processes inherit: ``--kvflow-lookahead N``, ``--kvflow-lease-s S``,
-``--kvflow-max-prefetch N``, ``--kvflow-api-keys-file F``, ``--kvflow-tenant-header H``.
+``--kvflow-max-prefetch N``, ``--kvflow-api-keys-file F``, ``--kvflow-tenant-header H``,
+``--kvflow-host-link-gbps X`` (an emulated host link of X GB/s under SGLang's host->device
+copies, for CPU studies; see ``host_link.py``).
 
 Why the module registers the plugin at import time: SGLang starts its scheduler processes with
 ``multiprocessing`` *spawn*, which re-imports the parent's main module in every child as
@@ -31,7 +33,9 @@ DEFAULT_FLAGS = (
 OWN_FLAGS = {"--kvflow-lookahead": "KVFLOW_LOOKAHEAD", "--kvflow-lease-s": "KVFLOW_LEASE_S",
              "--kvflow-max-prefetch": "KVFLOW_MAX_PREFETCH",
              "--kvflow-api-keys-file": "KVFLOW_API_KEYS_FILE",  # tenants (serving/tenancy.py)
-             "--kvflow-tenant-header": "KVFLOW_TENANT_HEADER"}
+             "--kvflow-tenant-header": "KVFLOW_TENANT_HEADER",
+             "--kvflow-host-link-gbps": "KVFLOW_HOST_LINK_GBPS"}
+_POSITIVE = {"--kvflow-lease-s", "--kvflow-host-link-gbps"}
 
 
 def _has_flag(argv: Sequence[str], flag: str) -> bool:
@@ -50,6 +54,13 @@ def build_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
                 val = next(it, None)
                 if val is None:
                     raise SystemExit(f"{name} needs a value")
+            if name in _POSITIVE:
+                try:
+                    ok = float(val) > 0 and float(val) != float("inf")
+                except ValueError:
+                    ok = False
+                if not ok:
+                    raise SystemExit(f"{name}: expected a positive number, got {val!r}")
             env[OWN_FLAGS[name]] = val
             continue
         out.append(a)

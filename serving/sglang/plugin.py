@@ -12,7 +12,8 @@ detokenizer) through ``sglang.srt.plugins.load_plugins()``, then applies the hoo
 
 The hooks act only when the cache is a ``KVFlowRadixCache``; installed but not selected, the
 plugin changes nothing. Tunables come from the environment (the launcher sets them):
-``KVFLOW_LOOKAHEAD`` (steps, default 1), ``KVFLOW_LEASE_S`` (60), ``KVFLOW_MAX_PREFETCH`` (2).
+``KVFLOW_LOOKAHEAD`` (steps, default 1), ``KVFLOW_LEASE_S`` (60), ``KVFLOW_MAX_PREFETCH`` (2),
+``KVFLOW_HOST_LINK_GBPS`` (an emulated host link under every HiCache copy; ``host_link.py``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ def kvflow_cache_factory(ctx):
     return create_unified_radix_cache(ctx, cache_class=_Configured)
 
 
+def _install_host_link() -> None:
+    """``KVFLOW_HOST_LINK_GBPS`` (``--kvflow-host-link-gbps``): the emulated host link under
+    SGLang's host->device copies, whatever the cache backend (see ``host_link.py``)."""
+    from . import host_link
+
+    try:
+        host_link.install_from_env()
+    except host_link.HostLinkError:
+        logger.exception("kvflow: emulated host link NOT installed")
+        raise
+
+
 def register() -> None:
     """Idempotent; safe in every SGLang process."""
     global _registered
@@ -85,12 +98,12 @@ def register() -> None:
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, kvflow_cache_factory)
     HookRegistry.register(hooks.TARGET_ADD, hooks.after_add_request_to_queue, HookType.AFTER)
-    HookRegistry.register(hooks.TARGET_PREFILL, hooks.around_get_new_batch_prefill_raw,
-                          HookType.AROUND)
+    HookRegistry.register(hooks.TARGET_ADMIT, hooks.around_add_one_req, HookType.AROUND)
     HookRegistry.register(hooks.TARGET_INPUT, hooks.around_process_input_requests,
                           HookType.AROUND)
     HookRegistry.register(http_api.TARGET_LAUNCH, http_api.before_launch_server, HookType.BEFORE)
     HookRegistry.register(http_api.TARGET_CHAT, http_api.after_convert_to_internal_request,
                           HookType.AFTER)
+    _install_host_link()
     _registered = True
     logger.info("kvflow: SGLang plugin registered (backend/policy %r)", BACKEND_NAME)

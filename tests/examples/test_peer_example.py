@@ -425,6 +425,30 @@ def test_extract_usage_reads_cached_tokens_and_kvflow():
     assert (a.cached_tokens, a.calls_with_hit, a.kvflow) == (768, 1, {"hit": 1.0, "prefetched_tokens": 512.0})
 
 
+def test_usage_callback_counts_replies_cut_by_max_tokens():
+    """A structured reply cut by ``max_tokens`` reaches LangChain as langchain-openai's
+    ``LengthFinishReasonError`` (the openai client's), yet the server answered: its usage counts."""
+    import uuid
+
+    import openai
+    from openai.types.chat import ChatCompletion
+
+    completion = ChatCompletion.model_validate({
+        "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "finish_reason": "length",
+                     "message": {"role": "assistant", "content": '{"sub_questions": ["Wh'}}],
+        "usage": {"prompt_tokens": 700, "completion_tokens": 24, "total_tokens": 724,
+                  "prompt_tokens_details": {"cached_tokens": 512}}})
+    h = UsageByAgent()
+    rid, other = uuid.uuid4(), uuid.uuid4()
+    h.on_chat_model_start({}, [[]], run_id=rid, metadata={"langgraph_node": "planner"})
+    h.on_llm_error(openai.LengthFinishReasonError(completion=completion), run_id=rid)
+    h.on_chat_model_start({}, [[]], run_id=other, metadata={"langgraph_node": "planner"})
+    h.on_llm_error(RuntimeError("connection reset"), run_id=other)   # no answer: not a call
+    a = h.snapshot()["planner"]
+    assert (a.calls, a.prompt_tokens, a.completion_tokens, a.cached_tokens) == (1, 700, 24, 512)
+
+
 @pytest.mark.skipif(not HAS_ADAPTER, reason="kvflow_agents.adapters.langgraph not written yet")
 @pytest.mark.parametrize("jump, retry", [("expressing", "expresser"), ("planning", "planner")])
 def test_instrumented_requests_carry_kvflow_agent(jump, retry):

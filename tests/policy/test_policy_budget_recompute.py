@@ -248,3 +248,44 @@ def test_manager_skips_a_late_prefetch_when_recompute_is_cheaper():
     host_only(m2, [10] * 6, "w", "A")
     m2.update_hints("w", {"A": 1}, now=0.0)
     assert m2.metrics.prefetch_issued == 1
+
+
+# ------------------------------------------------------------------ a measured link estimate
+def _tracker():
+    from kvflow_agents.serving.policy.loads import LoadTracker
+    from kvflow_agents.serving.policy.metrics import CacheMetrics
+
+    return LoadTracker(CacheMetrics())
+
+
+def test_measured_link_ignores_small_loads_and_one_outlier():
+    """SGLang learns a load landed only at its next step: a one-page load measures that lag,
+    not the link. Small loads do not calibrate, and a median is not dragged by one outlier."""
+    t = _tracker()
+    t.observe_load(1, 0.07)                       # 1 page "took" 70 ms: the step lag
+    assert t.measured_spp is None
+    for seconds in (0.026, 0.027, 0.025):          # 65 pages at ~0.4 ms per page
+        t.observe_load(65, seconds)
+    t.observe_load(65, 0.9)                        # one load measured across an idle gap
+    assert t.measured_spp == pytest.approx(0.0265 / 65, rel=0.05)
+
+
+def test_a_too_slow_measured_link_is_probed_not_trusted_forever():
+    """A measured estimate is refreshed only by loads: after PROBE_AFTER_DECLINES declines
+    in a row one load goes through, and its measurement can turn the decisions around."""
+    t = _tracker()
+    t.observe_load(65, 65 * 0.07)                  # a bad first sample: 70 ms per page
+    recompute = 0.09                               # recomputing the prefix: 90 ms
+    decisions = [t.should_load(65, recompute, now=0.0) for _ in range(t.PROBE_AFTER_DECLINES)]
+    assert decisions == [False] * (t.PROBE_AFTER_DECLINES - 1) + [True]
+    for _ in range(2):                             # the probes measure the real link
+        t.observe_load(65, 0.026)
+    assert t.should_load(65, recompute, now=0.0)
+
+
+def test_a_configured_link_is_never_probed():
+    from kvflow_agents.serving.policy.loads import LoadTracker
+    from kvflow_agents.serving.policy.metrics import CacheMetrics
+
+    t = LoadTracker(CacheMetrics(), secs_per_page=1.0)
+    assert not any(t.should_load(65, 0.09, now=0.0) for _ in range(3 * t.PROBE_AFTER_DECLINES))

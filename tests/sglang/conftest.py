@@ -3,9 +3,11 @@
 CPU stand-ins, each at the narrowest point:
 - ``get_device`` -> "cpu" in SGLang's test-kit fixtures (it raises without an accelerator);
 - ``_cuda_host_register`` -> no-op (pinning host memory needs CUDA);
+- SGLang's 10 GiB host-RAM margin before any host pool -> 256 MiB (a shared CPU box);
 - ``L2TransferEngine.submit_device_to_host / submit_host_to_device`` -> completed at once, no
   bytes moved: the host<->device copy boundary. Everything above it (HiCache controller, host
-  pool allocation, load/ack queues, layer counters, the tree) is SGLang's real code.
+  pool allocation, load/ack queues, layer counters, the tree) is SGLang's real code. Tests that
+  need real bytes moved put SGLang's own methods back (``sgl_helpers.real_copies``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ def _install_cpu_stand_ins() -> None:
 
     fx.get_device = lambda *a, **k: "cpu"
     phc._cuda_host_register = lambda *a, **k: None
+    import sglang.srt.mem_cache.pool_host.base as phb
+
+    phb.HICACHE_HOST_MEMORY_RESERVE_BYTES = 256 * 1024 ** 2   # a GPU server's 10 GiB margin
 
     def d2h(self, transfers):
         XFER.d2h.extend(t.host_indices for t in transfers)
@@ -68,6 +73,10 @@ def _install_cpu_stand_ins() -> None:
                 on_layer_done(i)
         return l2.TransferCompletion(_Done(), _Done(), False)
 
+    # SGLang's own methods, kept for the tests that move real bytes (sgl_helpers.real_copies)
+    if not hasattr(l2.L2TransferEngine, "real_submit_host_to_device"):
+        l2.L2TransferEngine.real_submit_device_to_host = l2.L2TransferEngine.submit_device_to_host
+        l2.L2TransferEngine.real_submit_host_to_device = l2.L2TransferEngine.submit_host_to_device
     l2.L2TransferEngine.submit_device_to_host = d2h
     l2.L2TransferEngine.submit_host_to_device = h2d
 

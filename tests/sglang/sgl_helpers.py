@@ -41,6 +41,67 @@ def key(tokens):
     return RadixKey(array("q", tokens))
 
 
+class FakeClock:
+    """A clock for the emulated host link: ``sleep`` advances it instead of waiting."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+        self.slept = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, d: float) -> None:
+        self.t += d
+        self.slept += d
+
+    def advance(self, d: float) -> None:
+        self.t += d
+
+
+def real_copies(test):
+    """Use SGLang's own host<->device copy code for the rest of ``test`` (a TestCase): the
+    direct io backend with the torch ``transfer_kv_direct`` of the CPU shims."""
+    import sys
+    from pathlib import Path
+    from unittest import mock
+
+    import sglang.srt.mem_cache.l2_transfer as l2
+    import sglang.srt.mem_cache.pool_host.mha as mha
+
+    support = str(Path(__file__).resolve().parent / "support")
+    if support not in sys.path:
+        sys.path.insert(0, support)
+    import sglang_shims
+
+    for p in (mock.patch.object(l2.L2TransferEngine, "submit_host_to_device",
+                                l2.L2TransferEngine.real_submit_host_to_device),
+              mock.patch.object(l2.L2TransferEngine, "submit_device_to_host",
+                                l2.L2TransferEngine.real_submit_device_to_host),
+              mock.patch.object(mha, "transfer_kv_direct", sglang_shims.transfer_kv_direct,
+                                create=True)):
+        p.start()
+        test.addCleanup(p.stop)
+
+
+def init_hicache_direct(test, cache, *, write_policy: str = "write_through"):
+    """The kit's ``_init_hicache`` with the direct io backend and layer_first host layout (the
+    combination that has a torch copy path)."""
+    from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from sglang.test.kits.unified_radix_cache.fixtures import drop_hicache_atexit_pin
+
+    sa = ServerArgs(model_path="dummy", page_size=test.cfg.page_size, hicache_io_backend="direct",
+                    hicache_mem_layout="layer_first", hicache_write_policy=write_policy)
+    sa._mamba_cache_chunk_size = max(CHUNK_SIZE, test.cfg.page_size)
+    set_global_server_args_for_scheduler(sa)
+    cache.init_hicache(sa, cache.cache_init_params)
+    test.addCleanup(drop_hicache_atexit_pin, cache)
+    test.addCleanup(cache.release_host_resources)
+    cache.write_through_threshold = 1 << 30
+    cache.load_back_threshold = 0
+
+
 class KVFlowHiCacheSetup:
     """Mixin for ``UnifiedRadixCacheFixtures`` test cases: ``self.cache`` is a
     :class:`KVFlowRadixCache` built by SGLang's test kit (``cfg``) with SGLang's real HiCache
@@ -61,3 +122,18 @@ class KVFlowHiCacheSetup:
         for ack in list(self.cache.cache_controller.ack_load_queue):
             ack.finish_event.synchronize()
         self.cache.loading_check()
+
+
+def matched(test, cache, tokens):
+    """A queued request right after SGLang's own match of it (``init_next_round_input`` in the
+    prefill builder): ``last_node``, ``prefix_len``, host hit... set from ``match_prefix`` with
+    the key SGLang builds (EAGLE trees: bigrams)."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    req = test._make_req(test.r2t)
+    req.origin_input_ids = array("q", tokens)
+    m = cache.match_prefix(MatchPrefixParams(
+        key=RadixKey(array("q", tokens), is_bigram=cache.tree_core.is_eagle), req=req))
+    test._apply_match_to_req(req, m)
+    return req

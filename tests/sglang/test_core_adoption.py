@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InitLoadBackPar
                                                     MatchPrefixParams)
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
-from sgl_helpers import KVFlowHiCacheSetup, hints, key, run_request  # noqa: E402
+from sgl_helpers import KVFlowHiCacheSetup, hints, key, matched, run_request  # noqa: E402
 
 from kvflow_agents.protocol import Hints  # noqa: E402
 
@@ -72,8 +72,7 @@ class CoreAdoptionTest(KVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.T
         self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="X", ste={"A": 1}))
         self.assertEqual(self.cache.kvflow_prefetch(), [("wf", "A")])
         self.clock[0] += 0.5
-        waiting, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t,
-                                             self.fixed["A"] + seq(70000, 4))
+        waiting = matched(self, self.cache, self.fixed["A"] + seq(70000, 4))
         self.assertTrue(self.cache.kvflow_blocked(waiting))  # held: its wait starts now
         self.clock[0] += 0.25
         self.ack_all()                                       # landed 0.25 s later

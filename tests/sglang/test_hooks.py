@@ -20,8 +20,9 @@ import sglang.test.kits.unified_radix_cache.fixtures as fx  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
-from sgl_helpers import hints, run_request  # noqa: E402
+from sgl_helpers import hints, matched, run_request  # noqa: E402
 
+from kvflow_agents.protocol import Hints  # noqa: E402
 from kvflow_agents.serving.sglang import hooks  # noqa: E402
 from kvflow_agents.serving.sglang.cache import KVFlowRadixCache  # noqa: E402
 from kvflow_agents.serving.sglang.messages import KVFlowControl  # noqa: E402
@@ -47,8 +48,11 @@ def test_entry_point_registers_backend_policy_and_hooks():
     assert "kvflow" in registered_radix_cache_backends()
     assert "kvflow" in RADIX_EVICTION_POLICY_CHOICES
     assert type(get_eviction_strategy("kvflow")).__name__ == "KVFlowStrategy"
-    for name in ("_add_request_to_queue", "_get_new_batch_prefill_raw", "process_input_requests"):
+    for name in ("_add_request_to_queue", "process_input_requests"):
         assert hasattr(getattr(Scheduler, name), "__wrapped__"), name
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    assert hasattr(PrefillAdder.add_one_req, "__wrapped__")
     from sglang.srt.server_args import prepare_server_args
 
     args = prepare_server_args(["--model-path", "dummy", "--enable-hierarchical-cache",
@@ -91,50 +95,55 @@ class AdmissionTest(UnifiedRadixCacheFixtures, unittest.TestCase):
         self.cache.evict(EvictParams(num_tokens=self.cache.evictable_size()))
         self.assertEqual(self.cache.kvflow_prefetch(), [("wf", "A")])  # A now in flight
 
-    def queued(self, toks):
-        req, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t, toks)
-        return req
+    def build_prefill(self, queue, budget=1):
+        """SGLang's prefill builder, in outline: for each queued request, match it
+        (``init_next_round_input``), then offer it to the adder; CONTINUE goes on, anything
+        else stops. The stand-in adder takes up to ``budget`` requests. Returns the taken ones;
+        ``queue`` keeps the others in order (SGLang removes only the admitted ones)."""
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        adder = SimpleNamespace(tree_cache=self.cache, can_run_list=[])
+
+        def add_one_req(adder, req, **kw):
+            if len(adder.can_run_list) >= budget:
+                return AddReqResult.OTHER
+            adder.can_run_list.append(req)
+            return AddReqResult.CONTINUE
+
+        for i, req in enumerate(queue):
+            queue[i] = req = matched(self, self.cache, list(req.origin_input_ids))
+            if hooks.around_add_one_req(add_one_req, adder, req) != AddReqResult.CONTINUE:
+                break
+        queue[:] = [r for r in queue if r not in adder.can_run_list]
+        return adder.can_run_list
 
     def test_status_aware_skip_keeps_order_and_never_starves(self):
-        r1 = self.queued(seq(5000, 8))
-        r2 = self.queued(self.a + seq(6000, 8))   # on A's loading prefix
-        r3 = self.queued(seq(7000, 8))
-        r4 = self.queued(self.a + seq(8000, 8))   # on A's loading prefix
-        sched = SimpleNamespace(tree_cache=self.cache, waiting_queue=[r1, r2, r3, r4])
-        seen = []
-
-        def prefill(s, *args, **kwargs):  # stands for SGLang's builder: admits the head
-            seen.append(list(s.waiting_queue))
-            admitted = s.waiting_queue[0] if s.waiting_queue else None
-            s.waiting_queue = [r for r in s.waiting_queue if r is not admitted]
-            return admitted
-
-        out = hooks.around_get_new_batch_prefill_raw(prefill, sched, None, None)
-        self.assertIs(out, r1)
-        self.assertEqual(seen[-1], [r1, r3])                  # the builder never saw r2, r4
-        self.assertEqual(sched.waiting_queue, [r2, r3, r4])   # back, in arrival order
-        out = hooks.around_get_new_batch_prefill_raw(prefill, sched, None, None)
-        self.assertIs(out, r3)                                # ready ones keep going
-        self.assertEqual(sched.waiting_queue, [r2, r4])
+        ids = lambda r: [tuple(x.origin_input_ids) for x in r]  # noqa: E731
+        r1, r2, r3, r4 = (matched(self, self.cache, t) for t in (
+            seq(5000, 8), self.a + seq(6000, 8), seq(7000, 8), self.a + seq(8000, 8)))
+        queue = [r1, r2, r3, r4]          # r2, r4 are on A's loading prefix
+        self.assertEqual(ids(self.build_prefill(queue)), ids([r1]))
+        self.assertEqual(ids(queue), ids([r2, r3, r4]))          # held in place
+        self.assertEqual(ids(self.build_prefill(queue)), ids([r3]))   # ready ones keep going
+        self.assertEqual(ids(queue), ids([r2, r4]))
+        self.assertGreaterEqual(self.cache.kv_stats["blocked_polls"], 3)
         # the load lands (the ack is reaped at the next scheduler step)
         for ack in list(self.cache.cache_controller.ack_load_queue):
             ack.finish_event.synchronize()
         self.cache.check_hicache_events()
         self.assertFalse(self.cache.kvflow_has_inflight())
-        out = hooks.around_get_new_batch_prefill_raw(prefill, sched, None, None)
-        self.assertIs(out, r2)                                # not starved, still first
-        self.assertEqual(sched.waiting_queue, [r4])
+        self.assertEqual(ids(self.build_prefill(queue, budget=2)), ids([r2, r4]))  # not starved
 
-    def test_no_inflight_load_means_builder_untouched(self):
+    def test_no_inflight_load_means_adder_untouched(self):
         for ack in list(self.cache.cache_controller.ack_load_queue):
             ack.finish_event.synchronize()
         self.cache.loading_check()
-        q = [self.queued(self.a + seq(6000, 8)), self.queued(seq(7000, 8))]
-        sched = SimpleNamespace(tree_cache=self.cache, waiting_queue=q)
-        original = mock.Mock(return_value="batch")
-        self.assertEqual(hooks.around_get_new_batch_prefill_raw(original, sched, 1, 2), "batch")
-        original.assert_called_once_with(sched, 1, 2)
-        self.assertIs(sched.waiting_queue, q)
+        req = matched(self, self.cache, self.a + seq(6000, 8))
+        adder = SimpleNamespace(tree_cache=self.cache)
+        original = mock.Mock(return_value="added")
+        self.assertEqual(hooks.around_add_one_req(original, adder, req, has_chunked_req=False),
+                         "added")
+        original.assert_called_once_with(adder, req, has_chunked_req=False)
 
 
 def test_control_messages_applied_on_scheduler_and_removed_from_batch():
@@ -198,3 +207,27 @@ def test_snapshot_reply_over_zmq():
     finally:
         pull.close(linger=0)
     assert snap["engine"] == "sglang" and snap["policy"] == "kvflow"
+
+
+def test_requeued_or_older_step_hints_do_not_move_the_workflow_back():
+    """SGLang queues a retracted / preempted request again through _add_request_to_queue: its
+    hints were taken already. A request whose hint is older than the workflow's latest step
+    (the workflow moved on) is superseded. Both still get their fixed prefix tagged."""
+    kit = UnifiedRadixCacheFixtures()
+    kit.cfg = CacheConfig(page_size=4, eviction_policy="kvflow")
+    with mock.patch.object(fx, "UnifiedRadixCache", KVFlowRadixCache):
+        cache, alloc, r2t = fx.build_fixture(kit.cfg)
+    sched = SimpleNamespace(tree_cache=cache, waiting_queue=[])
+    r1, _ = kit._make_inflight_req(cache, alloc, r2t, seq(100, 16))
+    r1.sampling_params.custom_params = hints("wf", "A", {"A": 0, "B": 1}, step=1)
+    hooks.after_add_request_to_queue(None, sched, r1)
+    cache.kvflow_apply_hints(Hints(workflow="wf", agent="B", step=2, ste={"B": 0, "A": 3}))
+    hooks.after_add_request_to_queue(None, sched, r1, is_retracted=True)   # the re-queue
+    assert cache.kv_hints.workflows["wf"].step == 2
+    assert (cache.kv_hints.ste("wf", "A"), cache.kv_hints.ste("wf", "B")) == (3, 0)
+    assert cache.kv_stats["requeued"] == 1
+    r2, _ = kit._make_inflight_req(cache, alloc, r2t, seq(200, 16))     # a late step-1 request
+    r2.sampling_params.custom_params = hints("wf", "C", {"C": 0, "B": 1}, step=1)
+    hooks.after_add_request_to_queue(None, sched, r2)
+    assert cache.kv_hints.ste("wf", "B") == 0 and cache.kv_stats["stale_hints"] == 1
+    assert cache._req_hints[r1.rid].tag == ("wf", "A") and cache._req_hints[r2.rid].tag == ("wf", "C")

@@ -21,7 +21,7 @@ import sglang.test.kits.unified_radix_cache.fixtures as fx  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
-from sgl_helpers import hints, key, run_request  # noqa: E402
+from sgl_helpers import hints, key, matched, run_request  # noqa: E402
 
 from kvflow_agents.protocol import Hints  # noqa: E402
 from kvflow_agents.serving.sglang.cache import KVFlowRadixCache  # noqa: E402
@@ -91,15 +91,15 @@ class PrefetchTest(UnifiedRadixCacheFixtures, unittest.TestCase):
         self.req("B", ste)
         self.offload_all()
         self.cache.check_hicache_events()
-        on_a, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t,
-                                          self.fixed["A"] + seq(70000, 8))
-        on_b, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t,
-                                          self.fixed["B"] + seq(71000, 8))
-        other, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t, seq(72000, 24))
+        # as SGLang's prefill builder does: match each queued request, then admit or skip it
+        on_a = matched(self, self.cache, self.fixed["A"] + seq(70000, 8))
+        on_b = matched(self, self.cache, self.fixed["B"] + seq(71000, 8))
+        other = matched(self, self.cache, seq(72000, 24))
         self.assertTrue(self.cache.kvflow_blocked(on_a))
         self.assertFalse(self.cache.kvflow_blocked(on_b))    # host-only: demand load as usual
         self.assertFalse(self.cache.kvflow_blocked(other))
         self.ack_all()
+        on_a = matched(self, self.cache, self.fixed["A"] + seq(70000, 8))   # next round's match
         self.assertFalse(self.cache.kvflow_blocked(on_a))
 
     def test_free_slot_and_inflight_cap(self):
@@ -107,7 +107,7 @@ class PrefetchTest(UnifiedRadixCacheFixtures, unittest.TestCase):
         for a in ste:
             self.req(a, ste)
         self.offload_all()
-        with mock.patch.object(type(self.cache), "has_free_load_back_slot", return_value=False):
+        with mock.patch.object(type(self.cache), "_proactive_slot_free", return_value=False):
             self.assertEqual(self.cache.kvflow_prefetch(), [])
         self.assertGreater(self.cache.kv_stats["prefetch_skipped_no_slot"], 0)
         self.cache.max_inflight_prefetch = 1

@@ -1,0 +1,78 @@
+"""Greedy outputs do not depend on where the prefix KV came from, and hints ride both request
+paths (native ``/generate`` with ``input_ids``; OpenAI chat with the chat template).
+
+On the plugin's server the emulated link poisons rows in flight (NaN until the bytes land), so
+a request that read a prefix before its load finished would not decode the same tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+from sglang_harness import DEVICE_TOKENS, agent_rows, dump, hints
+
+
+def _ids(seed: int, n: int, vocab: int = 40000) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def _tier(res: dict) -> tuple[int, int]:
+    """(device, host) prompt tokens served from cache. SGLang reports the split only when a
+    request hit the host tier; otherwise every cached token came from device."""
+    meta = res["meta_info"]
+    det = meta.get("cached_tokens_details")
+    if not det:
+        return meta["cached_tokens"], 0
+    return det.get("device", 0), det.get("host", 0)
+
+
+def _push_out_of_device(client, seed: int) -> None:
+    """Fill the device pool with unrelated prompts (LRU and KVFlow both evict the old prefix
+    to host: it has no hint, so it is +inf to KVFlow)."""
+    for k in range(4):
+        client.generate(_ids(seed * 100 + k, DEVICE_TOKENS // 3), max_new_tokens=1)
+
+
+def test_device_hit_host_load_and_recompute_give_the_same_tokens(stock, kvflow):
+    prompt = _ids(7, 900)
+    for name, client in (("stock", stock), ("kvflow", kvflow)):
+        cold = client.generate(prompt, max_new_tokens=12)           # computed
+        hot = client.generate(prompt, max_new_tokens=12)            # device hit
+        _push_out_of_device(client, 1)
+        loaded = client.generate(prompt, max_new_tokens=12)         # host load
+        assert cold["meta_info"]["cached_tokens"] == 0, (name, cold["meta_info"])
+        dev, host = _tier(hot)
+        assert dev >= len(prompt) - 1 and host == 0, (name, hot["meta_info"])
+        dev, host = _tier(loaded)
+        assert host > 0, (name, loaded["meta_info"])
+        assert cold["output_ids"] == hot["output_ids"] == loaded["output_ids"]
+    # and the two servers agree
+    assert stock.generate(prompt, max_new_tokens=12)["output_ids"] == \
+        kvflow.generate(prompt, max_new_tokens=12)["output_ids"]
+
+
+def test_input_ids_path_tags_the_declared_fixed_prefix(kvflow):
+    """``/generate`` with ``input_ids``: hints in ``sampling_params.custom_params``, the fixed
+    prefix declared in tokens."""
+    fixed = _ids(11, 400)
+    h = hints("ids-wf", "solo", {"solo": 0}, step=1, app="ids", fixed_messages=None)
+    h["kvflow_fixed_prefix_tokens"] = len(fixed)
+    for k in range(2):
+        res = kvflow.generate(fixed + _ids(100 + k, 30), max_new_tokens=4, custom_params=h)
+        assert res["output_ids"], res
+    rows = agent_rows(kvflow.snapshot(), "ids/ids-wf")
+    assert rows["solo"]["tokens"] == len(fixed), dump(rows)
+    assert rows["solo"]["residency"] == "device" and rows["solo"]["ste"] == 0
+
+
+def test_malformed_hints_never_fail_a_request(kvflow, stock):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi."}]
+    bad = {"kvflow_v": 1, "kvflow_workflow": "w", "kvflow_agent": "a", "kvflow_ste": {"x": -3}}
+    before = kvflow.snapshot()["stats"]["hint_errors"]
+    got = kvflow.chat(msgs, hints=bad, max_tokens=4)
+    ref = stock.chat(msgs, max_tokens=4)
+    assert got.choices[0].message.content == ref.choices[0].message.content
+    assert kvflow.snapshot()["stats"]["hint_errors"] == before + 1
+    r = kvflow.post_hints(bad)
+    assert r.status_code == 400 and r.json()["key"] == "kvflow_ste"
