@@ -40,12 +40,18 @@ def test_device_hit_host_load_and_recompute_give_the_same_tokens(stock, kvflow):
         cold = client.generate(prompt, max_new_tokens=12)           # computed
         hot = client.generate(prompt, max_new_tokens=12)            # device hit
         _push_out_of_device(client, 1)
+        declined = client.snapshot()["metrics"]["loads_declined"] if name == "kvflow" else 0
         loaded = client.generate(prompt, max_new_tokens=12)         # host load
         assert cold["meta_info"]["cached_tokens"] == 0, (name, cold["meta_info"])
         dev, host = _tier(hot)
         assert dev >= len(prompt) - 1 and host == 0, (name, hot["meta_info"])
         dev, host = _tier(loaded)
-        assert host > 0, (name, loaded["meta_info"])
+        if name == "kvflow" and host == 0:
+            # The plugin recomputed instead: allowed only as its load-vs-recompute decision
+            # (its measured link, 1 s per 1000 tokens here, slower than its measured prefill).
+            assert client.snapshot()["metrics"]["loads_declined"] > declined, loaded["meta_info"]
+        else:
+            assert host > 0, (name, loaded["meta_info"])
         assert cold["output_ids"] == hot["output_ids"] == loaded["output_ids"]
     # and the two servers agree
     assert stock.generate(prompt, max_new_tokens=12)["output_ids"] == \

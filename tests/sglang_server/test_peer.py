@@ -90,7 +90,16 @@ def test_peer_runs_the_same_workflow_on_both(peer_runs):
 
 
 def test_peer_prefix_cache_hits_per_agent(peer_runs, tokenizer):
-    """Every agent's fixed prompt is reused: each agent's later calls hit the cache."""
+    """Every agent's fixed prompt is reused: each agent's later calls hit the cache, except
+    where the plugin chose to recompute a host-only prefix because its measured link is slower
+    than its measured prefill (the harness's link is deliberately slow, 1 s per 1000 tokens, and
+    the tiny model prefills far faster): then it must have declined loads for that reason."""
+    final, before = peer_runs["kvflow:final"], peer_runs["kvflow:before"]
+    link = final["link"]
+    declined = sum(final["metrics"][k] - before["metrics"][k]
+                   for k in ("loads_declined", "prefetch_recompute_skips"))
+    recompute_cheaper = (link["secs_per_page"] and link["recompute_s_per_token"] is not None
+                         and link["recompute_s_per_token"] * final["page_size"] < link["secs_per_page"])
     for name in ("stock", "kvflow"):
         _, usage = peer_runs[name]
         by_agent: dict[str, list] = {}
@@ -100,7 +109,12 @@ def test_peer_prefix_cache_hits_per_agent(peer_runs, tokenizer):
         for agent in AGENTS:
             fixed = len(tokenizer.encode(prompts.SYSTEM_PROMPTS[agent]))
             later = by_agent[agent][1:]
-            assert later and max(later) >= fixed, (name, agent, by_agent[agent], fixed)
+            assert later, (name, agent)
+            if name == "kvflow" and max(later) < fixed:
+                assert recompute_cheaper and declined > 0, (agent, by_agent[agent], fixed, link,
+                                                            declined)
+                continue
+            assert max(later) >= fixed, (name, agent, by_agent[agent], fixed)
 
 
 def test_peer_plugin_tags_agents_and_prefetches(peer_runs, tokenizer):
