@@ -26,6 +26,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Optional
 
 
+def wait_until(pred: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
+               what: str = "condition") -> Any:
+    """Poll ``pred`` until it returns something truthy and return that; ``AssertionError``
+    after ``timeout`` seconds (for tests that wait on a server's background work)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
 @dataclass
 class RecordedRequest:
     method: str

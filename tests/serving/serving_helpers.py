@@ -13,17 +13,6 @@ def chat_hints(workflow, agent, ste, fixed_messages=1, step=0, **extra):
             "kvflow_ste": ste, "kvflow_fixed_messages": fixed_messages, **extra}
 
 
-def wait_for(pred, timeout=10.0, interval=0.01):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(interval)
-
-
 AGENTS = ("A", "B", "C", "D")
 
 

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving_helpers import AGENTS, agent_call, chat_hints, cycle_ste, residency, system_prompt, wait_for
+from kvflow_agents.testing import wait_until
+from serving_helpers import AGENTS, agent_call, chat_hints, cycle_ste, residency, system_prompt
 
 # Four agents' fixed prompts (~176 tokens of whole pages each) in a 640-token device pool:
 # three fit with their dynamic suffixes, the fourth forces an eviction.
@@ -62,7 +63,7 @@ def test_prefetch_lands_before_the_request_with_link_emulation(serve):
         agent_call(c, "B", 5)                          # hints: C has STE 1 -> prefetch
         seen = [residency(srv.cache(), "wf", "C")]
         assert seen[0] == "loading"
-        wait_for(lambda: seen.append(residency(srv.cache(), "wf", "C")) or seen[-1] == "device", timeout=10)
+        wait_until(lambda: seen.append(residency(srv.cache(), "wf", "C")) or seen[-1] == "device", timeout=10)
         assert time.monotonic() - t0 > 0.5            # it really took the emulated link time
         r = agent_call(c, "C", 6)
         kv = r.usage.model_extra["kvflow"]
@@ -114,7 +115,7 @@ def test_status_aware_scheduling_runs_ready_requests_while_a_prefix_loads(serve,
             done[name] = time.monotonic()
         tc = threading.Thread(target=call, args=(slow, lambda: agent_call(c, slow, 10)))
         tc.start()
-        wait_for(lambda: srv.engine.call(lambda e: e.scheduler.counts())["loading"] == 1, timeout=5)
+        wait_until(lambda: srv.engine.call(lambda e: e.scheduler.counts())["loading"] == 1, timeout=5)
         t0 = time.monotonic()
         other = srv.client()
         call("other", lambda: other.chat.completions.create(
@@ -139,7 +140,7 @@ def test_out_of_band_transition_and_end(serve):
             r = h.post("/kvflow/v1/hints", json=chat_hints("wf", "tool", {"C": 1, "D": None, "A": 2, "B": 3},
                                                            kvflow_event="transition"))
             assert r.status_code == 200 and r.headers["x-kvflow-hints"] == "accepted"
-            wait_for(lambda: residency(srv.cache(), "wf", "C") == "device", timeout=5)
+            wait_until(lambda: residency(srv.cache(), "wf", "C") == "device", timeout=5)
             agents = {a["agent"]: a for a in srv.cache()["workflows"][0]["agents"]}
             assert agents["D"]["ste"] is None and agents["C"]["ste"] == 1
             bad = h.post("/kvflow/v1/hints", json={"kvflow_v": 1, "kvflow_workflow": "wf"})

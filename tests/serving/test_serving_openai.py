@@ -9,7 +9,8 @@ import httpx
 import openai
 import pytest
 
-from serving_helpers import chat_hints, wait_for
+from kvflow_agents.testing import wait_until
+from serving_helpers import chat_hints
 
 SYSTEM = {"role": "system", "content": "You are a careful planner. Follow the plan. " * 4}
 
@@ -185,7 +186,7 @@ def test_client_disconnect_frees_its_slots(serve):
                 assert any(line.startswith("data: ") for line in got)
                 assert srv.engine.call(lambda e: e.scheduler.counts())["running"] == 1
         # the server noticed, aborted the request and gave its pages back
-        wait_for(lambda: srv.engine.stats()["counters"]["aborted"] == 1, timeout=15)
+        wait_until(lambda: srv.engine.stats()["counters"]["aborted"] == 1, timeout=15)
         rep = srv.cache()
         assert rep["queue"]["running"] == 0
         dev = rep["pools"]["device"]
@@ -199,7 +200,7 @@ def test_metrics_endpoint(serve):
         for i in range(2):
             c.chat.completions.create(model="tiny-random", messages=[SYSTEM, {"role": "user", "content": f"q{i}"}],
                                       max_tokens=2, extra_body={"custom_params": {"kvflow_v": 99}})
-        wait_for(lambda: srv.engine.stats()["counters"]["finished"] == 2)
+        wait_until(lambda: srv.engine.stats()["counters"]["finished"] == 2)
         text = httpx.get(srv.url + "/metrics").text
         for needle in ['kvflow_prompt_tokens_by_tier_total{tier="device"}', 'kvflow_prefetch_total{outcome="wasted"}',
                        'kvflow_load_seconds_total{kind="hidden"}', 'kvflow_queue_depth{state="loading"}',

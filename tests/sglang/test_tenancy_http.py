@@ -15,6 +15,7 @@ from test_http import served  # noqa: E402,F401 - SGLang's app + a scheduler loo
 
 from kvflow_agents.serving.sglang import http_api  # noqa: E402
 from kvflow_agents.serving.tenancy import Tenancy  # noqa: E402
+from kvflow_agents.testing import wait_until  # noqa: E402
 
 A = {"Authorization": "Bearer key-a"}
 B = {"Authorization": "Bearer key-b"}
@@ -30,18 +31,11 @@ def hint(**kw):
             "kvflow_ste": {"planner": 1}, **kw}
 
 
-def wait_for(pred, timeout=5.0):
-    deadline = time.time() + timeout
-    while not pred() and time.time() < deadline:
-        time.sleep(0.02)
-    return pred()
-
-
 def test_tenants_only_see_and_touch_their_own_workflows(served, tenants):  # noqa: F811
     client, cache, _ = served
     assert client.post("/kvflow/v1/hints", json=hint()).status_code == 401
     assert client.post("/kvflow/v1/hints", json=hint(), headers=A).status_code == 200
-    assert wait_for(lambda: cache.kv_hints.ste("alice::peer/t1", "planner") == 1)
+    assert wait_until(lambda: cache.kv_hints.ste("alice::peer/t1", "planner") == 1)
     assert cache.kv_hints.ste("peer/t1", "planner") == float("inf")  # nothing unscoped
     mine = client.get("/kvflow/v1/cache", headers=A).json()
     assert list(mine["workflows"]) == ["peer/t1"]
@@ -49,7 +43,7 @@ def test_tenants_only_see_and_touch_their_own_workflows(served, tenants):  # noq
     for body in (hint(kvflow_event="end"), hint(kvflow_ste={"planner": None}),
                  hint(kvflow_app="alice::peer", kvflow_event="end")):
         assert client.post("/kvflow/v1/hints", json=body, headers=B).status_code == 200
-    assert wait_for(lambda: "bob::peer/t1" in cache.kv_hints.workflows)
+    assert wait_until(lambda: "bob::peer/t1" in cache.kv_hints.workflows)
     time.sleep(0.2)
     assert cache.kv_hints.ste("alice::peer/t1", "planner") == 1  # bob named his own workflows
     assert client.get("/kvflow/v1/cache").status_code == 401

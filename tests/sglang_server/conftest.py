@@ -36,24 +36,27 @@ else:
         pool.start("stock", "kvflow")
         return pool
 
+    def _client(pool, name, model_dir, request):
+        """A client of ``pool``'s server ``name``; a failing test gets the pool's log tails."""
+        c = Client(pool.get(name), model_dir)
+        request.node.kvflow_pool = pool
+        return c
+
     @pytest.fixture
     def stock(main_servers, model_dir, request):
-        c = Client(main_servers.get("stock"), model_dir)
-        request.node.kvflow_pool = main_servers
+        c = _client(main_servers, "stock", model_dir, request)
         yield c
         c.close()
 
     @pytest.fixture
     def kvflow(main_servers, model_dir, request):
-        c = Client(main_servers.get("kvflow"), model_dir)
-        request.node.kvflow_pool = main_servers
+        c = _client(main_servers, "kvflow", model_dir, request)
         yield c
         c.close()
 
     @pytest.fixture
     def retract(pool, model_dir, request):
-        c = Client(pool.get("retract"), model_dir)
-        request.node.kvflow_pool = pool
+        c = _client(pool, "retract", model_dir, request)
         yield c
         c.close()
 

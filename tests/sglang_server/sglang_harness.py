@@ -186,17 +186,6 @@ def hints(workflow: str, agent: str, ste: dict, *, step: int, app: str = "e2e",
                  app=app, fixed_messages=fixed_messages, event=event).to_custom_params()
 
 
-def wait_until(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
 class SnapshotSampler:
     """Polls ``/kvflow/v1/cache`` in a thread while a workload runs (finished workflows are
     released by the server, so a read at the end no longer shows their agents)."""

@@ -28,7 +28,7 @@ def test_retracted_request_does_not_replay_old_hints(retract):
     (``SGLANG_TEST_RETRACT``: what running out of KV memory does, on a schedule). Meanwhile
     the workflow moved on (an out-of-band transition to step 2). The retracted requests must
     not drag it back."""
-    from sglang_harness import wait_until
+    from kvflow_agents.testing import wait_until
 
     wf, workers = "retract-wf", [f"w{i}" for i in range(4)]
     step1 = {w: 0 for w in workers} | {"merge": 1}
