@@ -387,6 +387,7 @@ class LangGraphInstrumentation:
         wf.loops.clear()
         wf.task_step.clear()
         wf.completed.clear()
+        wf.tool_runs.clear()  # a tool node that failed or was interrupted (a resume re-registers)
         wf.version += 1
 
     def _on_interrupt(self, run_id: Optional[UUID]) -> None:

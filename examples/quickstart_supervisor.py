@@ -81,7 +81,7 @@ def finish_when_every_worker_answered(state: dict) -> dict:
 
 def build(llm: Any) -> Any:
     from langgraph.prebuilt import create_react_agent
-    from langgraph_supervisor import create_handoff_tool, create_supervisor
+    from langgraph_supervisor import create_supervisor
 
     workers = [create_react_agent(tools_first(llm, tools), tools, prompt=prompt, name=name)
                for name, (tools, prompt) in WORKERS.items()]

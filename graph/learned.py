@@ -360,7 +360,8 @@ class TransitionModel:
         """Write the model as JSON (atomically: a reader never sees half a file)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # One temp file per thread: runs ending on several threads flush at once.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(self.to_json() + "\n")
         os.replace(tmp, path)
 

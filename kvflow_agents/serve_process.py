@@ -140,6 +140,7 @@ class ServeProcess:
                 time.sleep(0.2)
 
     def stop(self, grace_s: float = 10.0, keep_log: bool = False) -> None:
+        atexit.unregister(self.stop)
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             try:  # the server was started in its own session: signal its process group

@@ -76,6 +76,14 @@ def extract_usage(response: Any) -> Optional[dict[str, Any]]:
     return None
 
 
+def usage_of_error(error: BaseException) -> Optional[dict[str, Any]]:
+    """The OpenAI ``usage`` of a call LangChain reports as an error although the server
+    answered: a structured reply cut by ``max_tokens`` (langchain-openai's
+    ``LengthFinishReasonError`` carries the completion). ``None`` for real failures."""
+    usage = getattr(getattr(error, "completion", None), "usage", None)
+    return usage.model_dump(exclude_none=True) if hasattr(usage, "model_dump") else None
+
+
 def agent_of(metadata: Optional[dict[str, Any]]) -> str:
     """The PEER agent an LLM call belongs to: the outermost LangGraph node of its checkpoint
     namespace (``executor:<id>|agent:<id>`` -> ``executor``), else ``langgraph_node``."""
@@ -109,12 +117,9 @@ class UsageByAgent(BaseCallbackHandler):
         self.on_chat_model_start(serialized, prompts, run_id=run_id, metadata=metadata)
 
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
-        # A structured reply cut by max_tokens reaches LangChain as an error
-        # (langchain-openai's LengthFinishReasonError) although the server answered and its
-        # usage is in the error's completion: count it like any other call.
-        usage = getattr(getattr(error, "completion", None), "usage", None)
-        if usage is not None and hasattr(usage, "model_dump"):
-            self._record(run_id, usage.model_dump(exclude_none=True))
+        usage = usage_of_error(error)
+        if usage is not None:
+            self._record(run_id, usage)
             return
         with self._lock:
             self._runs.pop(run_id, None)

@@ -26,6 +26,7 @@ import threading
 from collections import deque
 from typing import Optional
 
+from kvflow_agents.graph import next_agents
 from kvflow_agents.protocol import Hints
 
 HINT_MODES = ("on", "none", "random", "reversed", "stale")
@@ -35,15 +36,6 @@ def check_mode(mode: str) -> str:
     if mode not in HINT_MODES:
         raise ValueError(f"hints: choose one of {', '.join(HINT_MODES)}, not {mode!r}")
     return mode
-
-
-def _next_of(ste: dict[str, float]) -> list[str]:
-    """Agents a client would list as next for this map: the smallest positive finite STE."""
-    pos = [v for v in ste.values() if 0 < v < math.inf]
-    if not pos:
-        return []
-    m = min(pos)
-    return sorted(a for a, v in ste.items() if v == m)
 
 
 class HintMangler:
@@ -77,7 +69,7 @@ class HintMangler:
                 hist = self._history.setdefault(h.workflow, deque(maxlen=self.lag + 1))
                 hist.append(ste)
                 new = dict(hist[0])
-        return h.model_copy(update={"ste": new, "next": _next_of(new)})
+        return h.model_copy(update={"ste": new, "next": sorted(next_agents(new))})
 
     def describe(self) -> str:
         return {"on": "correct hints", "none": "no hints", "random": "random STE on every request",

@@ -145,6 +145,12 @@ class CallCapture:
                     self.runs[run_id] = (agent_of(metadata), time.perf_counter())
 
             def on_llm_error(self, error, *, run_id: UUID, **kw):
+                from examples.peer_financial_qa.usage import usage_of_error
+
+                usage = usage_of_error(error)  # a reply cut by max_tokens: answered, counted
+                if usage is not None:
+                    self._record(run_id, usage)
+                    return
                 with self.lock:
                     agent, t0 = self.runs.pop(run_id, ("?", time.perf_counter()))
                     self.calls.append(CallRecord(self.workflow, self.round, agent, 0, self.measured,
@@ -154,13 +160,16 @@ class CallCapture:
             def on_llm_end(self, response, *, run_id: UUID, **kw):
                 from examples.peer_financial_qa.usage import extract_usage
 
+                self._record(run_id, extract_usage(response))
+
+            def _record(self, run_id: UUID, usage) -> None:
                 from .workload import _usage_fields
 
                 end = time.perf_counter()
                 with self.lock:
                     agent, t0 = self.runs.pop(run_id, ("?", end))
                     rec = CallRecord(self.workflow, self.round, agent, 0, self.measured, t0, 0.0, end - t0)
-                    _usage_fields(rec, extract_usage(response))
+                    _usage_fields(rec, usage)
                     rec.ttft_s = rec.server_ttft_s if rec.server_ttft_s is not None else rec.latency_s
                     self.calls.append(rec)
                 if self.on_call is not None:

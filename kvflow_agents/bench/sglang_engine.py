@@ -176,9 +176,9 @@ class SGLangLaunch:
         args = ["--model-path", self.model_path, "--page-size", str(self.page_size),
                 "--log-level", "warning", "--enable-cache-report"]
         if self.device == "cpu":
-            args += _shim_args("cpu")
+            args += shim_args("cpu")
         elif self.device == "cuda":
-            args += _shim_args("cuda")
+            args += shim_args("cuda")
         if self.max_total_tokens:
             args += ["--max-total-tokens", str(self.max_total_tokens)]
         args += policy_args(policy)
@@ -201,15 +201,12 @@ class SGLangLaunch:
         return env
 
 
-def _shim_args(device: str) -> list[str]:
-    # the same flags as tests/sglang/support/sglang_shims.py's CPU/CUDA_SERVER_ARGS
-    if device == "cpu":
-        return ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
-                "pytorch", "--disable-cuda-graph", "--hicache-io-backend", "direct",
-                "--hicache-mem-layout", "layer_first"]
-    return ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-            "--disable-cuda-graph", "--hicache-io-backend", "direct",
-            "--hicache-mem-layout", "layer_first"]
+def shim_args(device: str) -> list[str]:
+    """The SGLang flags the shims of tests/sglang/support/sglang_shims.py assume (the one home
+    of this list: the harness and the bench both use it)."""
+    cuda = ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+            "--disable-cuda-graph", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
+    return ["--device", "cpu", *cuda] if device == "cpu" else cuda
 
 
 class SGLangServer(ServeProcess):

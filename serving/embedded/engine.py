@@ -357,7 +357,7 @@ class Engine:
 
     def update_hints(self, hints: Any, tenant: Optional[str] = None) -> None:
         """Out-of-band hints (``kvflow_event`` "transition" or "end"), applied between steps."""
-        self._inbox.put(lambda: self._apply_hints(hints, out_of_band=True, tenant=tenant))
+        self._inbox.put(lambda: self._apply_hints(hints, tenant=tenant))
 
     def note_hints(self, accepted: bool) -> None:
         with self._lock:
@@ -578,7 +578,7 @@ class Engine:
         if req.hints is not None:
             self._update_fair_share()
 
-    def _apply_hints(self, h: Any, *, out_of_band: bool, tenant: Optional[str] = None) -> None:
+    def _apply_hints(self, h: Any, *, tenant: Optional[str] = None) -> None:
         """Out-of-band hints (a request's own come in with ``manager.arrive``)."""
         if tenant is not None:
             self._tenanted = True

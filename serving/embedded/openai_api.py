@@ -317,14 +317,6 @@ def usage_n(cs: list[Completion]) -> dict:
     return u
 
 
-def chat_response(c: Completion, model: str) -> dict:
-    return chat_response_n([c], model, [ChoiceRenderer()])
-
-
-def completion_response(c: Completion, model: str) -> dict:
-    return completion_response_n([c], model, [ChoiceRenderer(chat=False)])
-
-
 def chat_response_n(cs: list[Completion], model: str, renderers: list["ChoiceRenderer"]) -> dict:
     choices = []
     for i, (c, r) in enumerate(zip(cs, renderers)):

@@ -61,7 +61,6 @@ class BatchSampler:
     def __init__(self, grammar: Any = None) -> None:
         self.grammar = grammar
         self._bitmask = None
-        self.mask_rows = 0          # constrained rows masked so far (for stats)
 
     def _state(self, req: Any) -> RequestSampling:
         st = getattr(req, "sampling", None)
@@ -114,7 +113,6 @@ class BatchSampler:
         for m, row in zip(matchers, rows):
             m.fill_next_token_bitmask(bm, row)
         self.grammar.apply_bitmask(logits, bm, rows)
-        self.mask_rows += len(rows)
 
     @staticmethod
     def _penalize(row: Any, req: Any) -> None:

@@ -173,8 +173,6 @@ class Request:
     skips: int = 0
     prefill_at: Optional[float] = None
     first_token_at: Optional[float] = None
-    load_wait_s: float = 0.0
-    aborted: bool = False
 
     @property
     def pages(self) -> list[int]:

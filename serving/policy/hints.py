@@ -208,10 +208,6 @@ class HintRegistry:
             return INF
         return w.ste.get(agent, INF)
 
-    def trusted(self, wf: str) -> bool:
-        w = self.workflows.get(wf)
-        return w is None or w.trusted
-
     def step_seconds(self, wf: str, default: float) -> float:
         w = self.workflows.get(wf)
         return w.step_s if w is not None and w.step_s else default

@@ -162,10 +162,7 @@ class KVCacheManager:
 
     def _host_load_s(self, node: Any) -> float:
         """Link time to bring ``node``'s host-only path back (0 when it is on device)."""
-        if node is None:
-            return 0.0
-        pages = sum(len(n.host_pages) for n in node.path()
-                    if n.device_pages is None and n.host_pages is not None)
+        pages = self.store.host_pages(node) if node is not None else 0
         return self.estimate_load_s(pages) if pages else 0.0
 
     def _session_reserve(self) -> int:

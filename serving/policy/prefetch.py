@@ -254,14 +254,18 @@ class Prefetcher:
                 free = target.free_pages()
                 if reserve is None:
                     reserve = self.reserved_pages
-                if free - reserve < k and (free + target.evictable_pages() - reserve < k or
-                                           free + target.evictable_above(c.ste) - reserve < k):
+                avail = free - reserve
+                if avail < k and (avail + target.evictable_pages() < k or
+                                  avail + target.evictable_above(c.ste) < k):
                     pending.add(c.tag)
                     metrics.prefetch_budget_skips += 1
-                    # partial prefetch: the head that fits now; the rest next tick or on demand
-                    room = free - reserve + min(target.evictable_pages(), target.evictable_above(c.ste))
-                    if not (target.partial_prefetch and self.min_partial_pages
-                            and room >= self.min_partial_pages):
+                    # partial prefetch: the head that fits now; the rest next tick or on demand.
+                    # (Only then the room: a target without it, SGLang's, would walk its tree
+                    # for nothing on every step a candidate waits.)
+                    if not (target.partial_prefetch and self.min_partial_pages):
+                        continue
+                    room = avail + min(target.evictable_pages(), target.evictable_above(c.ste))
+                    if room < self.min_partial_pages:
                         continue
                     ld = target.start_prefetch(c, now, max_pages=room)
                     if ld is not None:

@@ -53,11 +53,12 @@ from kvflow_agents.serving.policy import (CacheMetrics, CachePolicy, KVFlowPolic
                                           workflow_key)
 from kvflow_agents.serving.policy.inspection import agents_view, workflows_view
 
+from .messages import FIXED_TOKENS_KEY
+
 logger = logging.getLogger(__name__)
 
 INF = math.inf
 POLICY_NAME = "kvflow"
-FIXED_TOKENS_KEY = "kvflow_fixed_prefix_tokens"  # added by the HTTP layer (chat template)
 FULL = ComponentType.FULL
 
 
@@ -220,7 +221,6 @@ class KVFlowRadixCache(UnifiedRadixCache):
             for k, v in strategy.options.items():
                 if v is not None:
                     setattr(self, k, v)
-        self.kv_policy = KVFlowPolicy()
         # Rank-agreed clock for leases (see _kv_now); identical on every rank from the start.
         self._kv_steps = 0
         self._kv_clock = 0.0
@@ -286,6 +286,7 @@ class KVFlowRadixCache(UnifiedRadixCache):
 
         def _remove_leaf_from_parent(node):
             orig_remove(node)
+            cache._kv_landed.pop(node.id, None)  # a landed prefetch evicted unread (ids are not reused)
             try:
                 cache.kv_book.node_removed(node)
                 cache.kv_index.drop_node(node)
@@ -510,13 +511,13 @@ class KVFlowRadixCache(UnifiedRadixCache):
             return True
         ps = self.page_size
         cached = int(req.kv.cache_protected_len)  # tokens of this request now owned by the tree
-        prompt = list(req.origin_input_ids)
         book = self.kv_book
         if info.fixed_tokens is not None:
-            boundary = min(info.fixed_tokens, len(prompt))
+            boundary = min(info.fixed_tokens, len(req.origin_input_ids))
             if cached < boundary // ps * ps:
                 return False  # chunked prefill: not all of the fixed prefix is cached yet
-        else:
+        prompt = list(req.origin_input_ids)  # (not copied per chunk while the prefix fills)
+        if info.fixed_tokens is None:
             boundary = book.infer_boundary(info.workflow, info.agent, prompt, info.app)
             if boundary:
                 self.kv_stats["inferred_tags"] += 1

@@ -34,14 +34,15 @@ import os
 import tempfile
 import uuid
 
-from .messages import KVFlowControl
+from kvflow_agents.serving.policy.boundary import common_prefix_len
+
+from .messages import FIXED_TOKENS_KEY, KVFlowControl
 
 logger = logging.getLogger(__name__)
 
 TARGET_LAUNCH = "sglang.srt.entrypoints.http_server.launch_server"
 TARGET_CHAT = ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat."
                "_convert_to_internal_request")
-FIXED_TOKENS_KEY = "kvflow_fixed_prefix_tokens"
 SNAPSHOT_TIMEOUT_S = 5.0
 MAX_HINT_BODY = 1 << 20  # a hint with 1,024 agents is ~30 KB
 
@@ -70,8 +71,6 @@ def fixed_prefix_tokens(tokenizer, messages: list, n_fixed: int, prompt_ids: lis
     ids = tokenizer.apply_chat_template(head, tokenize=True, add_generation_prompt=False)
     if not isinstance(ids, list) and hasattr(ids, "keys") and "input_ids" in ids.keys():
         ids = ids["input_ids"]  # a BatchEncoding (transformers 5 returns one), not a dict
-    from kvflow_agents.serving.policy import common_prefix_len
-
     return common_prefix_len(list(ids), list(prompt_ids))
 
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+# The token length of the fixed prefix, added to custom_params by the HTTP layer (chat template).
+FIXED_TOKENS_KEY = "kvflow_fixed_prefix_tokens"
+
 
 @dataclass
 class KVFlowControl:

@@ -206,3 +206,32 @@ def test_bench_predict_cli(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("nope\n")
     assert CliRunner().invoke(app, ["bench", "predict", "--traces", str(bad)]).exit_code != 0
+
+
+def test_saves_from_many_threads_at_once_all_land(tmp_path):
+    """Runs ending on several threads flush the same file at once: every save lands whole
+    (each thread writes its own temp file before the atomic replace)."""
+    import threading
+
+    from kvflow_agents.graph.learned import TransitionModel
+
+    model = TransitionModel()
+    model.observe("app", "a", "b", 3)
+    path = tmp_path / "transitions.json"
+    errors = []
+
+    def save_many():
+        for _ in range(20):
+            try:
+                model.save(path)
+            except OSError as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=save_many) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["transitions.json"]
+    assert TransitionModel.from_json(path.read_text()).counts("app") == model.counts("app")

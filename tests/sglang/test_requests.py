@@ -91,6 +91,32 @@ def test_fixed_messages_become_tokens_via_chat_template_and_routing_key():
     assert adapted2.routing_key == "mine"
 
 
+class TextTokenizer:
+    """A text-only model's tokenizer: the chat template renders text, SGLang's tokenizer
+    manager encodes it later (one id per character here)."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, **kw):
+        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_fixed_messages_become_tokens_for_text_only_models():
+    """SGLang passes a text-only model's request on as rendered ``text``: the fixed prefix is
+    the rendered first message, encoded as SGLang will encode the prompt."""
+    tok = TextTokenizer()
+    request = ChatCompletionRequest.model_validate(chat_body())
+    msgs = [m.model_dump(exclude_none=True) for m in request.messages]
+    adapted = GenerateReqInput(text=tok.apply_chat_template(msgs, add_generation_prompt=True),
+                               sampling_params=request.to_sampling_params([], {}))
+    serving = SimpleNamespace(tokenizer_manager=SimpleNamespace(tokenizer=tok))
+    after_convert_to_internal_request((adapted, request), serving, request, None)
+    assert adapted.sampling_params["custom_params"]["kvflow_fixed_prefix_tokens"] == \
+        len(tok.apply_chat_template(msgs[:1]))
+
+
 def test_chat_hook_leaves_requests_without_hints_alone():
     body = chat_body()
     del body["custom_params"]

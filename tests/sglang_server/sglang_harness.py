@@ -24,7 +24,6 @@ import atexit
 import json
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 

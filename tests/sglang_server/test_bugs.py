@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import threading
 
-import pytest
 from sglang_harness import agent_rows, dump, hints
 
 APP = "e2e"

@@ -27,14 +27,14 @@ with :class:`ShimError` instead of serving something half-patched):
   shared CPU box that refuses even a 1 MB pool.
 - HiCache copies: ``transfer_kv_direct`` (torch: ``dst[di] = src[si]`` per layer) set on
   ``mem_cache/pool_host/mha.py``; the server must run ``--hicache-io-backend direct
-  --hicache-mem-layout layer_first`` (:data:`CPU_SERVER_ARGS`), the only layout with a torch
-  path (the default kernel + page_first one has none).
+  --hicache-mem-layout layer_first``, the only layout with a torch path (the default kernel +
+  page_first one has none). The flags: ``kvflow_agents.bench.sglang_engine.shim_args``.
 
 ``cuda`` (a GPU machine where ``sgl_kernel`` is absent): the same stand-in and the same torch
 ``transfer_kv_direct`` (real host->device copies through PyTorch, pinned host pool kept), plus
 ``SGLANG_FORCE_FUSED_OP_BACKEND=torch`` so fused ops take ``forward_native``; the server must
 run ``--attention-backend torch_native --sampling-backend pytorch --disable-cuda-graph``
-(:data:`CUDA_SERVER_ARGS`).
+(``shim_args('cuda')``).
 """
 
 from __future__ import annotations
@@ -49,14 +49,6 @@ import types
 
 PINNED_SGLANG = "0.5.23"
 ENV = "KVFLOW_SGLANG_SHIMS"
-
-# SGLang flags the shims assume (the harness and the bench add them).
-CPU_SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native",
-                   "--sampling-backend", "pytorch", "--disable-cuda-graph",
-                   "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first")
-CUDA_SERVER_ARGS = ("--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-                    "--disable-cuda-graph", "--hicache-io-backend", "direct",
-                    "--hicache-mem-layout", "layer_first")
 
 CPU_HOST_MEMORY_RESERVE_BYTES = 256 * 1024 ** 2
 
