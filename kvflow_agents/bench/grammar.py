@@ -93,9 +93,8 @@ def bench_grammar(model: str = "smollm2-135m", batches: Sequence[int] = (1, 4, 8
     for name, kw, _prefix in CASES:
         spec = spec_for_request(**kw)
         t0 = time.perf_counter()
-        compiled[name] = (spec, backend.compile(spec))
-        compile_ms = (time.perf_counter() - t0) * 1e3
-        compiled[name] = (*compiled[name], compile_ms)
+        grammar = backend.compile(spec)
+        compiled[name] = (spec, grammar, (time.perf_counter() - t0) * 1e3)
     with torch.inference_mode():
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(100, cfg.vocab_size - 1, (context,), generator=gen).tolist()

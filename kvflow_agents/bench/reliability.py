@@ -14,7 +14,7 @@ row per check: how many cases were tried, how many failed, and the figure the ch
 | hint memory | rounds of out-of-band posts with 1,024 agents each, then leases expire | the registry is not empty after, or RSS grows from round to round |
 | flood vs quiet | a quiet tenant's device-hit share alone and while another floods (fair share on; off for comparison) | share under flood < 0.9 x alone |
 | cross-tenant | another tenant reads, ends, nulls, spoofs ids/headers | any attempt succeeds |
-| soak | W workflows cycling for S seconds, RSS sampled | requests fail, or RSS still grows in the last half |
+| soak | W workflows cycling for S seconds, RSS sampled | requests fail, or RSS in the last quarter grows more than a fifth of the first quarter's growth (and more than 8 MB) |
 | kill -9 | the server is killed mid-load and restarted on its port | a request fails after the restart |
 | determinism | greedy outputs alone vs batched, default and ``--deterministic`` | the deterministic run differs |
 
@@ -31,7 +31,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import tempfile
 import threading
 import time
@@ -126,6 +125,14 @@ def metric(text: str, name: str) -> float:
 
 def auth(tenant: str) -> dict:
     return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+def client(srv: Any, tenant: str, *, timeout: float = 60.0, sync: bool = False, headers: Optional[dict] = None,
+           **kw: Any) -> Any:
+    """An httpx client of ``srv`` as ``tenant``; never through an environment proxy (127.0.0.1)."""
+    cls = httpx.Client if sync else httpx.AsyncClient
+    return cls(base_url=srv.url, timeout=timeout, headers={**auth(tenant), **(headers or {})},
+               trust_env=False, **kw)
 
 
 def keys_file() -> str:
@@ -294,12 +301,12 @@ class Suite:
         self.rows: list[Row] = []
         self.series: dict[str, list] = {}
 
-    def server(self, *extra: str, model: str = TINY, port: Optional[int] = None) -> BenchServer:
+    def server(self, *extra: str, model: str = TINY) -> BenchServer:
         if self.keys_path is None:
             self.keys_path = keys_file()
         args = ["--model", model, "--policy", "kvflow", "--device-tokens", "4096", "--host-tokens",
                 "16384", "--log-level", "warning", "--api-keys-file", self.keys_path, *extra]
-        return BenchServer(args, port=port, health_headers=auth("alice"), timeout_s=180)
+        return BenchServer(args, health_headers=auth("alice"), timeout_s=180)
 
     def run(self) -> list[Row]:
         p = self.plan
@@ -366,8 +373,7 @@ class Suite:
         examples: list[str] = []
         sem = asyncio.Semaphore(8)
         limits = httpx.Limits(max_connections=16)
-        async with httpx.AsyncClient(base_url=srv.url, timeout=60, limits=limits,
-                                     headers={**auth("fuzz"), "content-type": "application/json"}) as c:
+        async with client(srv, "fuzz", limits=limits, headers={"content-type": "application/json"}) as c:
             async def one(i: int, case: Case) -> None:
                 async with sem:
                     try:
@@ -409,7 +415,7 @@ class Suite:
                    chat_body("x", temperature="0"), chat_body("x", n=3), chat_body("x", stop=["s"] * 50),
                    chat_body("x", logprobs=True), chat_body("x", custom_params=hint("w\ud800", "a", {}))]
         bad, tried, statuses = 0, 0, {}
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120, headers=auth("alice")) as c:
+        async with client(srv, "alice", timeout=120) as c:
             for rnd in range(self.plan.isolation_rounds):
                 poison = poisons[rnd % len(poisons)]
                 content = poison if isinstance(poison, bytes) else dumps(poison)
@@ -459,7 +465,7 @@ class Suite:
         probe_errors = [0]
 
         def probe() -> None:  # its own thread and connection: the sender's work is not counted
-            with httpx.Client(base_url=srv.url, timeout=30, headers=auth("alice")) as h:
+            with client(srv, "alice", timeout=30, sync=True) as h:
                 h.get("/health")
                 while not stop.is_set():
                     t0 = time.perf_counter()
@@ -475,7 +481,7 @@ class Suite:
         prober = threading.Thread(target=probe, daemon=True)
         prober.start()
         try:
-            async with httpx.AsyncClient(base_url=srv.url, timeout=300, headers=auth("alice")) as c:
+            async with client(srv, "alice", timeout=300) as c:
                 async def idle() -> None:  # the previous request's prefill is over
                     deadline = time.monotonic() + 120
                     while time.monotonic() < deadline:
@@ -524,7 +530,7 @@ class Suite:
     async def disconnects(self, srv: BenchServer) -> Row:
         n = self.plan.disconnects
         errors = 0
-        async with httpx.AsyncClient(base_url=srv.url, timeout=60, headers=auth("alice")) as c:
+        async with client(srv, "alice") as c:
             async def abandon(i: int) -> None:
                 nonlocal errors
                 body = chat_body(f"disconnect {i} " * 8, max_tokens=200, ignore_eos=True, stream=i % 2 == 0)
@@ -571,7 +577,7 @@ class Suite:
             socks.append(("idle", socket.create_connection((srv.host, srv.port))))
         t0 = time.monotonic()
         ok_normal = 0
-        async with httpx.AsyncClient(base_url=srv.url, timeout=60, headers=auth("alice")) as c:
+        async with client(srv, "alice") as c:
             rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=chat_body(f"normal {i}"))
                                         for i in range(20)), return_exceptions=True)
             ok_normal = sum(not isinstance(r, Exception) and r.status_code == 200 for r in rs)
@@ -599,8 +605,8 @@ class Suite:
         secret_wf, secret_app = "alpha-secret-workflow", "alpha-secret-app"
         private = "alpha-private-workflow-7f3e"  # bob never names this one: seeing it is a leak
         system = "You are the alpha planner with a private prompt. " * 6
-        async with httpx.AsyncClient(base_url=srv.url, timeout=60, headers=auth("alice")) as a, \
-                httpx.AsyncClient(base_url=srv.url, timeout=60, headers=auth("bob")) as b:
+        async with client(srv, "alice") as a, \
+                client(srv, "bob") as b:
             async def alice_state() -> dict:
                 rep = (await a.get("/kvflow/v1/cache")).json()
                 return {(w["workflow"], x["agent"]): x["ste"] for w in rep["workflows"] for x in w["agents"]}
@@ -660,8 +666,8 @@ class Suite:
         prompts = {a: f"[{a}] You are the {a} agent of the quiet team. Rule {a}. " * 4 for a in agents}
         stop = asyncio.Event()
         stats = {"flood_requests": 0, "flood_posts": 0, "quiet_errors": 0}
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120, headers=auth("quiet")) as q, \
-                httpx.AsyncClient(base_url=srv.url, timeout=120, headers=auth("flood")) as f:
+        async with client(srv, "quiet", timeout=120) as q, \
+                client(srv, "flood", timeout=120) as f:
             async def flood_requests() -> None:
                 i = 0
                 while not stop.is_set():
@@ -731,7 +737,7 @@ class Suite:
         p = self.plan
         pid = srv.proc.pid
         rounds = []
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120, headers=auth("alice")) as c:
+        async with client(srv, "alice", timeout=120) as c:
             async def registry() -> tuple[float, float]:
                 t = (await c.get("/metrics")).text
                 return metric(t, "kvflow_hint_workflows"), metric(t, "kvflow_hint_agents")
@@ -776,7 +782,7 @@ class Suite:
         errors = requests = 0
         stop = asyncio.Event()
         t0 = time.monotonic()
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120, headers=auth("bob")) as c:
+        async with client(srv, "bob", timeout=120) as c:
             async def workflow(w: int) -> None:
                 nonlocal errors, requests
                 step = 0
@@ -829,7 +835,7 @@ class Suite:
 
             def fire():
                 try:
-                    httpx.post(srv.url + "/v1/chat/completions", headers=auth("alice"), timeout=30,
+                    httpx.post(srv.url + "/v1/chat/completions", headers=auth("alice"), timeout=30, trust_env=False,
                                json=chat_body("in flight " * 20, max_tokens=64, ignore_eos=True))
                 except httpx.HTTPError:
                     pass
@@ -843,12 +849,10 @@ class Suite:
             for t in inflight:
                 t.join(30)
             t0 = time.perf_counter()
-            port = srv.port
             srv.stop()
-            new = self.server("--lease-s", str(p.lease_s), port=port).start()
+            srv.start()  # the same port and flags
             restart_s.append(time.perf_counter() - t0)
-            srv.proc, srv._log, srv.log_path = new.proc, new._log, new.log_path
-            with httpx.Client(base_url=srv.url, timeout=60, headers=auth("alice")) as c:
+            with client(srv, "alice", sync=True) as c:
                 for i in range(p.restart_requests):
                     tried += 1
                     r = c.post("/v1/chat/completions", json=chat_body(f"after restart {i}"))

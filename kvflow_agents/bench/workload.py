@@ -346,8 +346,9 @@ async def chat_call(client: Any, base_url: str, model: str, messages: list[dict]
             rec.instance = r.headers.get("x-kvflow-instance")
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-            usage = r.json().get("usage")
-            _sglext_fields(rec, r.json())
+            doc = r.json()
+            usage = doc.get("usage")
+            _sglext_fields(rec, doc)
     except Exception as e:  # noqa: BLE001 — recorded, the benchmark goes on
         rec.ok, rec.error = False, f"{type(e).__name__}: {e}"
     end = time.perf_counter()

@@ -11,15 +11,7 @@ from typing import Optional
 
 import typer
 
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from None
-    if not out or any(x < 1 for x in out):
-        raise typer.BadParameter("expected positive integers", param_hint=name)
-    return out
+from .options import positive_list
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -41,7 +33,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         console = Console(stderr=True)
         try:
-            res = bench_grammar(model, _ints(batches, "--batches"), context, reps,
+            res = bench_grammar(model, positive_list(batches, "--batches", integer=True), context, reps,
                                 progress=None if as_json else (lambda s: console.print(f"[dim]{s}[/]")))
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
@@ -83,12 +75,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         from kvflow_agents.bench.toolgap import bench_toolgap
 
-        try:
-            gap_list = [float(x) for x in gaps.split(",") if x.strip()]
-        except ValueError:
-            raise typer.BadParameter(f"expected comma-separated seconds, got {gaps!r}", param_hint="--gaps") from None
-        if not gap_list or any(g <= 0 for g in gap_list):
-            raise typer.BadParameter("gaps must be positive", param_hint="--gaps")
+        gap_list = positive_list(gaps, "--gaps")
         console = Console(stderr=True)
         res = bench_toolgap(model=model, gaps=gap_list, trials=trials, fixed=fixed, history=history,
                             background_rate=background_rate, device_tokens=device_tokens,

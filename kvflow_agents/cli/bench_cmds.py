@@ -45,6 +45,13 @@ def _hint_mode(mode: str) -> str:
         raise typer.BadParameter(str(e), param_hint="--hints") from None
 
 
+def command_line(bench: str) -> str:
+    """``kvflow bench <bench> <its arguments>`` for a result's JSON (the arguments only when this
+    process is that command: under a test runner ``sys.argv`` is the runner's)."""
+    args = sys.argv[3:] if sys.argv[1:3] == ["bench", bench] else []
+    return " ".join(["kvflow", "bench", bench, *args])
+
+
 def _round_page(n: float, page: int) -> int:
     return int(-(-int(n) // page) * page)
 
@@ -263,7 +270,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                             rounds=rounds, warmup_rounds=warmup_rounds, workflows=workflows, seed=seed,
                             share_prompts=share_prompts, hints=hints, hint_lag=hint_lag)
         spec.validate()
-        counter = token_counter(model if not base_url else (served_model or model))
         if engine == "sglang" and not base_url:
             from kvflow_agents.bench.sglang_engine import SGLangBenchError, bench_counter
 
@@ -271,6 +277,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 counter = bench_counter(model, model_path)
             except SGLangBenchError as e:
                 raise typer.BadParameter(str(e), param_hint="--model/--model-path") from None
+        else:
+            counter = token_counter(model if not base_url else (served_model or model))
         fixed_total = fixed_prompt_tokens(spec, counter)
         meta: dict = {"bench": "workflow", "workload": spec.as_dict(), "policies_run": pols,
                       "tokenizer": counter.name, "fixed_prompt_tokens_total": fixed_total}
@@ -298,7 +306,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=lookahead, max_batch=max_batch,
                                    console=console, meta=meta, regime=regime)
-        meta["command"] = "kvflow bench workflow " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "workflow"] else [])
+        meta["command"] = command_line("workflow")
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"
                  + (" on stock SGLang 0.5.23" if engine == "sglang" else "")
@@ -411,7 +419,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host_tokens,
                               "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
                               "fixed_prompt_tokens": fixed_toks}
-        meta["command"] = "kvflow bench peer " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "peer"] else [])
+        meta["command"] = command_line("peer")
         title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "
                  f"{model}, max_tokens {max_tokens}" + ("" if hints == "on" else f", hints: {hints}"))
         _run_and_report(
@@ -458,7 +466,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 progress=lambda s: status.update(f"measuring {s} …") if json_out != "-" else None)
         summ = engine_step.summary(res)
         doc = {"bench": "engine", "model": model, "context": context, "steps": steps, "sink": sink,
-               "command": "kvflow bench engine " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "engine"] else []),
+               "command": command_line("engine"),
                "results": [r.as_dict() for r in res], "summary": summ}
         title = (f"kvflow bench engine: {model}, {context}-token prompts, ms per decode step "
                  f"(median), sinks: {sink}")
@@ -550,9 +558,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             console.print(f"[red]error:[/] {escape(str(e))}")
             raise typer.Exit(2) from None
         counter = token_counter(model)
-        work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="kvflow-aiperf-"))
-        work.mkdir(parents=True, exist_ok=True)
-        tok_dir = ap.write_tokenizer(model, work / "tokenizer")
         meta: dict = {"bench": "aiperf", "workload_kind": workload, "policies_run": pols, "aiperf": exe,
                       "aiperf_version": ap.AIPERF_VERSION}
         if workload == "agentic":
@@ -587,13 +592,17 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    console=console, meta=meta, fixed_total=ctx)
             title = (f"kvflow bench aiperf: AIPerf multi-turn, {conversations} conversations x {turns} turns, "
                      f"system {system_prompt} + {isl}/{output} tokens per turn, concurrency {workflows}, {model}")
+        # (the work folder after sizing: a bad flag above leaves no temp folder behind)
+        work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="kvflow-aiperf-"))
+        work.mkdir(parents=True, exist_ok=True)
+        tok_dir = ap.write_tokenizer(model, work / "tokenizer")
         run = ap.AIPerfRun(model=model, tokenizer=str(tok_dir), concurrency=workflows, workload=workload,
                            conversations=conversations, turns=turns, system_prompt_tokens=system_prompt,
                            isl=isl, osl=output, seed=seed)
         shown = ap.AIPerfRun(**{**dataclasses.asdict(run), "input_dir": str(work / "data-POLICY-tTRIAL"),
                                 "request_count": workflows * rounds * agents if workload == "agentic" else None})
         meta["aiperf_command"] = " ".join(shown.argv(exe, "http://127.0.0.1:PORT", str(work / "aiperf-POLICY-tTRIAL")))
-        meta["command"] = "kvflow bench aiperf " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "aiperf"] else [])
+        meta["command"] = command_line("aiperf")
         from kvflow_agents.bench.server import ServerStartError
 
         try:

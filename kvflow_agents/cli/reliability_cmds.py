@@ -16,7 +16,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    "tiny-random only; what `make test` runs)."),
         seed: int = typer.Option(0, help="Seed of the fuzz corpus (same seed, same cases)."),
         fuzz_cases: Optional[int] = typer.Option(None, min=1, help="Fuzz cases (full: 5200)."),
-        soak_s: Optional[float] = typer.Option(None, min=1, help="Soak duration in seconds (full: 300)."),
+        soak_s: Optional[float] = typer.Option(None, min=1, help="Soak duration in seconds (full: 600)."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write the rows as JSON here ('-': stdout)."),
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Draw soak RSS and hint-memory rounds (PNG)."),
         markdown_out: Optional[str] = typer.Option(None, "--markdown", help="Write the table as Markdown here."),
@@ -32,7 +32,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         from kvflow_agents.bench import reliability as rel
         from kvflow_agents.bench.server import ServerStartError
-        from kvflow_agents.cli.bench_cmds import _progress, escape
+        from kvflow_agents.cli.bench_cmds import _progress, command_line, escape
 
         plan = rel.Plan.quick() if quick else rel.Plan()
         if fuzz_cases:
@@ -48,7 +48,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         except ServerStartError as e:
             console.print(f"[red]error: a server did not start[/]\n{escape(str(e))}")
             raise typer.Exit(3) from None
-        meta = {"command": "kvflow bench reliability " + " ".join(sys.argv[3:]), "quick": quick,
+        meta = {"command": command_line("reliability"), "quick": quick,
                 "seed": seed, "plan": plan.__dict__}
         doc = rel.to_json(rows, meta, suite.series)
         if json_out == "-":

@@ -84,6 +84,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                          param_hint="--model-path")
             argv = ["--model-path", model_path, "--host", host, "--port", str(port),
                     "--page-size", str(page_size), "--log-level", log_level]
+            if len(api_key or ()) > 1 or (api_key and api_keys_file):
+                raise typer.BadParameter("the sglang engine takes one --api-key (SGLang's own), or "
+                                         "--api-keys-file for several tenants", param_hint="--api-key")
             if api_keys_file:  # tenants: the plugin's endpoints check the keys (serving/tenancy.py)
                 argv += ["--kvflow-api-keys-file", api_keys_file]
             elif api_key:

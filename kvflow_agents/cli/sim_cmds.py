@@ -14,6 +14,8 @@ from typing import Optional
 
 import typer
 
+from .options import positive_list
+
 _POLICIES = "lru,hicache,kvflow,oracle"
 
 
@@ -26,17 +28,6 @@ def _policies(text: str) -> list[str]:
         raise typer.BadParameter(f"unknown {', '.join(bad) or '(none)'}; choose from {', '.join(sorted(POLICIES))}",
                                  param_hint="--policies")
     return out
-
-
-def _floats(text: str, hint: str, integer: bool = False) -> list:
-    try:
-        vals = [(int if integer else float)(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated {'integers' if integer else 'numbers'}",
-                                 param_hint=hint) from None
-    if not vals or any(v <= 0 for v in vals):
-        raise typer.BadParameter("values must be > 0", param_hint=hint)
-    return vals
 
 
 def _profile(name: str, link_gbps: Optional[float]):
@@ -214,8 +205,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         from kvflow_agents.serving.sim import paper, report
 
-        conc = _floats(concurrency, "--concurrency", integer=True)
-        bws = _floats(bandwidth, "--bandwidth")
+        conc = positive_list(concurrency, "--concurrency", integer=True)
+        bws = positive_list(bandwidth, "--bandwidth")
         if not 0 <= prefix_fraction <= 10:
             raise typer.BadParameter("must be in [0, 10]", param_hint="--prefix-fraction")
         _profile(profile, None)

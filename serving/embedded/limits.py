@@ -19,8 +19,8 @@ tokenizer); the hint registry's bounds in :class:`~kvflow_agents.serving.policy.
 
 Pieces: :class:`ServerLimits` (the numbers), :func:`parse_json_body` (strict UTF-8 JSON, depth,
 lone surrogates), :class:`LimitsMiddleware` (pure ASGI: body size and read timeout, header
-hygiene, last-resort 500) and :class:`GuardedH11Protocol` (uvicorn's h11 protocol plus the
-header timeout; ``uvicorn.Config(http=GuardedH11Protocol.factory(limits))``).
+hygiene, last-resort 500) and :func:`guarded_h11_protocol` (uvicorn's h11 protocol plus the
+header timeout; ``uvicorn.Config(http=guarded_h11_protocol(limits))``).
 """
 
 from __future__ import annotations
