@@ -44,13 +44,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from rich.table import Table
 
         from kvflow_agents.graph.errors import GraphError
-        from kvflow_agents.graph.learned import (
-            TransitionModel,
-            evaluate_predictions,
-            read_traces,
-            synthetic_selector_traces,
-            train,
-        )
+        from kvflow_agents.graph.learned import TransitionModel, read_traces
+        from kvflow_agents.graph.prediction import evaluate_predictions, synthetic_selector_traces, train
         from kvflow_agents.graph.learned import write_traces as _write
 
         if app_kind not in ("selector", "supervisor"):

@@ -158,7 +158,8 @@ def test_bench_predict_on_a_real_supervisor_app_learns_its_routing():
 
     from kvflow_agents.bench.predict_apps import supervisor_traces
     from kvflow_agents.cli.main import app as cli
-    from kvflow_agents.graph.learned import conditional_successors, evaluate_predictions, train
+    from kvflow_agents.graph.learned import conditional_successors
+    from kvflow_agents.graph.prediction import evaluate_predictions, train
 
     graphs, runs = supervisor_traces(60, seed=3, skew=0.9)
     (g,) = graphs.values()

@@ -10,16 +10,13 @@ from kvflow_agents.graph.learned import (
     TraceRecorder,
     TraceRun,
     TransitionModel,
-    evaluate_predictions,
     guaranteed_ste,
     read_traces,
-    selector_graph,
     ste_between_steps,
-    synthetic_selector_traces,
-    train,
     wire_ste,
     write_traces,
 )
+from kvflow_agents.graph.prediction import evaluate_predictions, selector_graph, synthetic_selector_traces, train
 
 INF = math.inf
 
