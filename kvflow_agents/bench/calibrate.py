@@ -178,9 +178,9 @@ def choose_fixed_for_ratio(model: str, counter: TokenCounter, *, target_ratio: f
             def msgs():
                 return [{"role": "system", "content": system},
                         {"role": "user", "content": counter.make_text(dynamic, rng)}]
-            cold = await chat_call(client, srv.base_url, "default", msgs(), max_tokens=1,
+            cold = await chat_call(client, srv.base_url, model, msgs(), max_tokens=1,
                                    rec=CallRecord(0, 0, "c", 0, False, 0.0, 0.0, 0.0))
-            warm = await chat_call(client, srv.base_url, "default", msgs(), max_tokens=output,
+            warm = await chat_call(client, srv.base_url, model, msgs(), max_tokens=output,
                                    rec=CallRecord(0, 0, "w", 0, False, 0.0, 0.0, 0.0))
             if not (cold.ok and warm.ok):
                 raise RuntimeError(f"calibration request failed: {cold.error or warm.error}")
@@ -198,7 +198,7 @@ def choose_fixed_for_ratio(model: str, counter: TokenCounter, *, target_ratio: f
         import httpx
 
         async with httpx.AsyncClient(timeout=600.0, trust_env=False) as client:
-            await chat_call(client, srv.base_url, "default", [{"role": "user", "content": "warm up"}],
+            await chat_call(client, srv.base_url, model, [{"role": "user", "content": "warm up"}],
                             max_tokens=4, rec=CallRecord(0, 0, "x", 0, False, 0.0, 0.0, 0.0))
             rows = [await probe(client, n) for n in sorted(p for p in probes if p <= max_fixed)]
             ratio = _fit_ratio(rows)

@@ -31,6 +31,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                        "spent). Use it to demonstrate prefetch/overlap on CPU. Default: real copy speed."),
         lookahead: int = typer.Option(1, min=0, help="Prefetch agents whose steps-to-execution <= this."),
         max_batch: int = typer.Option(16, min=1, help="Max concurrently running requests."),
+        admission: Optional[str] = typer.Option(
+            None, help="Order waiting requests are admitted in: fcfs (their arrival) or workflow "
+                       "(the oldest workflow's call first). Default: the policy's (kvflow: "
+                       "workflow; lru, hicache, oracle: fcfs)."),
         max_prefill_tokens: int = typer.Option(1024, min=1, help="Prompt tokens prefilled per scheduler step (chunked prefill)."),
         max_tokens_default: int = typer.Option(256, "--default-max-tokens", min=1,
                                                help="max_tokens when a request gives none."),
@@ -100,6 +104,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"unknown option(s) for the embedded engine: {' '.join(ctx.args)}")
         if policy not in _POLICIES:
             raise typer.BadParameter(f"choose one of {', '.join(_POLICIES)}", param_hint="--policy")
+        from kvflow_agents.serving.policy.admission import ADMISSION_ORDERS
+        if admission is not None and admission not in ADMISSION_ORDERS:
+            raise typer.BadParameter(f"choose {' or '.join(ADMISSION_ORDERS)}", param_hint="--admission")
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise typer.BadParameter("cpu or cuda", param_hint="--device")
         if host_link_gbps is not None and host_link_gbps <= 0:
@@ -133,7 +140,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         cfg = EngineConfig(model=model, model_path=model_path, device=device, policy=policy,
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
-                           lease_s=lease_s, default_max_tokens=max_tokens_default,
+                           admission=admission, lease_s=lease_s, default_max_tokens=max_tokens_default,
                            max_prefill_tokens=max_prefill_tokens, record_path=record,
                            max_prompt_tokens=max_prompt_tokens, client_cap=client_cap,
                            max_workflows=max_workflows, max_agents_per_workflow=max_agents_per_workflow,
@@ -153,7 +160,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"policy={policy} loaded in {time.perf_counter() - t0:.1f}s")
         typer.echo(f"  KV pools: device {device_tokens} tokens, host "
                    f"{host_tokens if eng.policy.host_tier else 0} tokens, page {page_size}; "
-                   f"host link: {link}; lookahead {lookahead}; max batch {max_batch}")
+                   f"host link: {link}; lookahead {lookahead}; max batch {max_batch}; "
+                   f"admission {eng.manager.admission.order}")
         typer.echo(f"  OpenAI base URL: {url}   (KVFlow: {url[:-3]}/kvflow/v1/cache, /metrics)"
                    + (f"   [API key required; {len(keys)} tenant(s)]" if keys else "")
                    + ("   [deterministic]" if deterministic else ""))

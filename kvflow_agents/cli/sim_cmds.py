@@ -54,15 +54,14 @@ def _bar(total: int, label: str, enabled: bool, console):
         yield lambda desc="": prog.update(task, advance=1, description=f"{label} {desc}")
 
 
-def _run_policies(prof, wl, pols, console, progress: bool, workflow_admission: bool = False, **kw):
+def _run_policies(prof, wl, pols, console, progress: bool, **kw):
     from kvflow_agents.serving.sim import Simulator
 
     out = {}
     with _bar(len(pols), "simulating", progress, console) as step:
         for p in pols:
             try:
-                out[p] = Simulator(prof, wl, p, workflow_admission=workflow_admission and p == "kvflow",
-                                   **kw).run()
+                out[p] = Simulator(prof, wl, p, **kw).run()
             except ValueError as e:
                 raise typer.BadParameter(str(e)) from None
             step(p)
@@ -105,9 +104,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         page_size: int = typer.Option(64, min=1, help="Tokens per KV page."),
         lookahead: int = typer.Option(1, min=0, help="Prefetch lookahead (STE)."),
         layerwise: bool = typer.Option(True, help="Layer-wise overlap of on-demand loads (HiCache)."),
-        workflow_admission: bool = typer.Option(
-            False, help="kvflow only: when the pending workflows' working sets exceed the pool, admit "
-                        "whole workflows (oldest first) while they fit; the others wait."),
+        admission: Optional[str] = typer.Option(
+            None, help="Admission order for every policy: fcfs | workflow (oldest workflow first). "
+                       "Default: each policy's own (kvflow: workflow, the others: fcfs)."),
+        stagger_s: float = typer.Option(0.0, min=0.0, help="Cycle: workflow w starts at w x this "
+                                        "(arrivals over time instead of all at once)."),
         policies: str = typer.Option(_POLICIES, help="Comma-separated policies."),
         seed: int = typer.Option(0, help="Seed (PEER token lengths)."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write results as JSON ('-': stdout only)."),
@@ -121,6 +122,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         pols = _policies(policies)
         prof = _profile(profile, link_gbps)
+        from kvflow_agents.serving.policy.admission import ADMISSION_ORDERS
+
+        if admission is not None and admission not in ADMISSION_ORDERS:
+            raise typer.BadParameter(f"choose from {', '.join(ADMISSION_ORDERS)}", param_hint="--admission")
         if device_fraction is not None and not 0 < device_fraction <= 100:
             raise typer.BadParameter("must be in (0, 100]", param_hint="--device-fraction")
         kw = dict(page_size=page_size, device_tokens=device_tokens, device_fraction=device_fraction,
@@ -129,7 +134,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             if workload == "cycle":
                 wl = cycle(agents=agents, fixed=fixed, dynamic=dynamic, output=output, rounds=rounds,
                            warmup_rounds=warmup_rounds, workflows=workflows, share_prompts=share_prompts,
-                           rotate=workflows > 1, **kw)
+                           rotate=workflows > 1, stagger_s=stagger_s, **kw)
             elif workload == "fanout":
                 wl = fanout(agents=agents, fixed=fixed, dynamic=dynamic, output=output, rounds=rounds,
                             warmup_rounds=warmup_rounds, workflows=workflows, share_prompts=share_prompts, **kw)
@@ -141,7 +146,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter(str(e)) from None
         console = Console(stderr=json_out == "-")
         res = _run_policies(prof, wl, pols, console, progress and json_out != "-", lookahead=lookahead,
-                            layerwise=layerwise, workflow_admission=workflow_admission)
+                            layerwise=layerwise, admission=admission)
         title = f"kvflow sim run: {wl.name} on {prof.name} (link {prof.link_gbps} GB/s)"
         _report_run(console, res, wl, prof, title, json_out, plot_out)
 

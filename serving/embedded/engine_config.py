@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from kvflow_agents.serving.policy.admission import ADMISSION_ORDERS
+
 from .scheduler import SamplingParams
 
 
@@ -39,6 +41,7 @@ class EngineConfig:
                                           # recomputing (measured prefill speed; manager.should_load)
     max_skip_s: float = 5.0               # a request skipped this long blocks younger ones
     status_aware: Optional[bool] = None   # None = the policy's default (kvflow: on)
+    admission: Optional[str] = None       # fcfs | workflow; None = the policy's (kvflow: workflow)
     served_model_name: Optional[str] = None
     record_path: Optional[str] = None     # JSONL trace of finished requests (kvflow sim replay)
     max_prompt_tokens: Optional[int] = None  # None: what the device pool / model can hold
@@ -71,6 +74,8 @@ class EngineConfig:
         c = self.deterministic_chunk
         if c < self.page_size or c % self.page_size or c > 512:
             raise ValueError("deterministic_chunk must be a multiple of page_size, at most 512")
+        if self.admission is not None and self.admission not in ADMISSION_ORDERS:
+            raise ValueError(f"admission must be one of {list(ADMISSION_ORDERS)}")
         client_cap_pages(self, 1)  # raises on a bad value
 
 

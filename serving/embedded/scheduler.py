@@ -185,8 +185,14 @@ class Request:
         return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
 
 
+def _admission_key(req: Request) -> tuple:
+    s = req.session
+    return s.admission_key if s is not None else ()
+
+
 class Scheduler:
-    """Waiting queue + running set; decides which waiting requests to try admitting."""
+    """Waiting queue (in admission order) + running set; decides which waiting requests to try
+    admitting."""
 
     def __init__(self, *, max_batch: int = 16, status_aware: bool = True, max_skip_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -198,7 +204,14 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        """Queue ``req`` in admission order (its session's ``admission_key``: arrival order
+        under fcfs, oldest workflow first under kvflow's ``workflow`` order). New requests
+        mostly go last, so the place is searched from the back."""
+        key = _admission_key(req)
+        i = len(self.waiting)
+        while i > 0 and _admission_key(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, req)
 
     def remove(self, rid: str) -> Optional[Request]:
         for q in (self.waiting, self.running):

@@ -68,6 +68,7 @@ class WorkflowHints:
     trusted: bool = True
     scored: int = 0                   # predictions scored
     missed: int = 0
+    since: tuple | None = None        # its first request's (arrival, sequence): admission order
 
 
 class HintRegistry:

@@ -13,14 +13,15 @@ It wires the parts of the policy core together and forwards to them:
 - :mod:`.inspection`: ``snapshot()``, ``check_invariants()``.
 
 Engines talk to it through per-request sessions (:mod:`.session`): ``arrive`` -> ``poll`` ->
-``admit`` -> ``commit`` -> ``finish``, plus ``apply_hints`` (out-of-band hints) and ``tick``
+``admit`` -> ``commit`` -> ``finish`` (waiting sessions tried in ``admission_key`` order,
+:mod:`.admission`), plus ``apply_hints`` (out-of-band hints) and ``tick``
 once per scheduler step. The lower-level calls stay public for tests and tools:
 ``match`` / ``status`` / ``peek`` / ``load_on_demand`` / ``lock`` / ``unlock`` / ``allocate`` /
 ``free`` / ``insert`` / ``tag_fixed_prefix`` / ``infer_fixed_prefix`` / ``update_hints`` /
 ``release_workflow`` (see the parts' docstrings).
 
 Prefetch budget (M5): the reserve is what waiting sessions will still allocate (the first
-``reserve_window`` of them, oldest first; all by default), unless ``set_reserved_pages`` (or
+``reserve_window`` of them in admission order; all by default), unless ``set_reserved_pages`` (or
 ``reserve_pages=``) gives an int or a callable. A prefetch for STE ``s`` starts only if its pages
 fit in free + evictable-above-``s`` - reserve. Load versus recompute (off unless the engine gives
 an estimate: ``recompute_s_per_token``, ``recompute_cost(n, ctx)``, or ``observe_prefill``):
@@ -35,9 +36,12 @@ past ``device_pages``; ``lru`` and ``oracle`` keep no host copies.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .admission import AdmissionOrder
 from .backend import KVTransferBackend, NullTransferBackend
 from .hints import workflow_key
 from .inspection import check_invariants, snapshot
@@ -76,8 +80,11 @@ class KVCacheManager:
                  reserve_window: int | None = None,
                  recompute_s_per_token: float | None = None,
                  recompute_cost: Callable[[int, int], float] | None = None,
-                 min_partial_prefetch_pages: int = 4) -> None:
+                 min_partial_prefetch_pages: int = 4, admission: str | None = None,
+                 admission_max_age_s: float = 600.0) -> None:
         self.policy = get_policy(policy)
+        # the order engines admit waiting sessions in (``session.admission_key``); None: the policy's
+        self.admission = AdmissionOrder(admission or self.policy.admission, max_age_s=admission_max_age_s)
         self.page_size = page_size
         self.backend = backend if backend is not None else NullTransferBackend()
         self.metrics = CacheMetrics()
@@ -110,11 +117,15 @@ class KVCacheManager:
         its own demand load goes on the link first) and open its session. ``client``: who sent
         it (a tenant), for per-client caps; default the hints' app, else their workflow."""
         s = RequestSession(self, tokens, hints, fixed_len=fixed_len, kv_tokens=kv_tokens)
+        now = self.backend.now()
+        wf = None
         if hints is not None:
-            self.gaps.arrived(hints.workflow, hints.agent, getattr(hints, "app", None), self.backend.now())
+            self.gaps.arrived(hints.workflow, hints.agent, getattr(hints, "app", None), now)
             self.apply_hints(hints, sender=True, plan=False, client=client)
             s.tag = (workflow_key(hints.workflow, getattr(hints, "app", None)), hints.agent)
             self.prefetcher.hold(s.tag)  # its own request decides how its prefix comes back
+            wf = self.tags.hints.workflows.get(s.tag[0])
+        s.admission_key = self.admission.key(now, wf)
         self._waiting[id(s)] = s
         return s
 
@@ -166,12 +177,13 @@ class KVCacheManager:
         return self.estimate_load_s(pages) if pages else 0.0
 
     def _session_reserve(self) -> int:
-        total, window = 0, self.reserve_window
-        for i, s in enumerate(self._waiting.values()):
-            if window is not None and i >= window:
-                break
-            total += s.reserve_pages()
-        return total
+        """Pages the first ``reserve_window`` waiting sessions (in admission order) will take."""
+        waiting, window = self._waiting.values(), self.reserve_window
+        if window is not None and len(waiting) > window:
+            order = (heapq.nsmallest(window, waiting, key=lambda s: s.admission_key)
+                     if self.admission.by_workflow else itertools.islice(waiting, window))
+            return sum(s.reserve_pages() for s in order)
+        return sum(s.reserve_pages() for s in waiting)
 
     # ================================================================ time
     def tick(self, now: float | None = None) -> TickReport:

@@ -4,20 +4,24 @@ A policy only answers questions (which order to evict in, whether to keep a host
 to prefetch); :class:`~.manager.KVCacheManager` does the bookkeeping. Like SGLang's
 ``EvictionStrategy``: the node with the *smallest* ``eviction_key`` goes first.
 
-========  ===========  ==============  =========================  ====================
-name      device tier  host tier       eviction order             loads
-========  ===========  ==============  =========================  ====================
-lru       bounded      none            LRU                        recompute on miss
-hicache   bounded      write-through   LRU (both tiers)           on demand
-kvflow    bounded      write-through   largest STE first, LRU     on demand + prefetch
-oracle    unbounded    none            never evicts               -
-========  ===========  ==============  =========================  ====================
+========  ===========  ==============  =========================  ====================  =========
+name      device tier  host tier       eviction order             loads                 admission
+========  ===========  ==============  =========================  ====================  =========
+lru       bounded      none            LRU                        recompute on miss     fcfs
+hicache   bounded      write-through   LRU (both tiers)           on demand             fcfs
+kvflow    bounded      write-through   largest STE first, LRU     on demand + prefetch  workflow
+oracle    unbounded    none            never evicts               -                     fcfs
+========  ===========  ==============  =========================  ====================  =========
+
+``admission``: the order engines try waiting requests in (:mod:`.admission`).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Callable
+
+from .admission import ADMISSION_ORDERS
 
 INF = math.inf
 
@@ -31,6 +35,7 @@ class CachePolicy:
     uses_priority = False   # eviction order depends on STE priority (re-index on hint updates)
     prefetch = False        # run the prefetch planner on hint updates / ticks
     status_aware = False    # the scheduler should skip requests whose prefix is loading
+    admission = "fcfs"      # waiting requests' order (admission.ADMISSION_ORDERS)
 
     def eviction_key(self, priority: float, last_access: int) -> tuple:
         """Smallest key is evicted first (both tiers)."""
@@ -78,11 +83,14 @@ class KVFlowPolicy(CachePolicy):
     prefetch = True
     status_aware = True
 
-    def __init__(self, backup: str = "all", prefetch: bool = True) -> None:
+    def __init__(self, backup: str = "all", prefetch: bool = True, admission: str = "workflow") -> None:
         if backup not in ("all", "tagged"):
             raise ValueError("backup must be 'all' or 'tagged'")
+        if admission not in ADMISSION_ORDERS:
+            raise ValueError(f"admission must be one of {list(ADMISSION_ORDERS)}")
         self.backup = backup
         self.prefetch = prefetch  # False: eviction order and status only (ablation / Belady check)
+        self.admission = admission  # "fcfs": request order, as the baselines (ablation)
 
     def eviction_key(self, priority: float, last_access: int) -> tuple:
         return (-priority, last_access)

@@ -80,6 +80,7 @@ class RequestSession:
         self.kv_tokens = max(len(self.tokens), kv_tokens or 0)
         self.state = "waiting"           # waiting -> admitted -> finished
         self.tag = None                  # (workflow key, agent) of its hints
+        self.admission_key: tuple = ()   # engines try the smallest first (manager.admission)
         self.handle = None               # lock handle (the deepest matched node)
         self.device_hit = self.host_hit = 0
         self.recompute_host = False

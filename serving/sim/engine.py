@@ -7,7 +7,9 @@ per-request session as the embedded engine: ``arrive`` (hints merged) -> ``poll`
 waiting -> ``load`` / ``admit`` -> prefill -> ``commit`` (insert + tag) -> decode -> ``finish``;
 ``tick`` every scheduler iteration; ``release_workflow`` when a workflow ends.
 
-Scheduler (SGLang-like, iteration level): FIFO waiting queue; each iteration either runs a
+Scheduler (SGLang-like, iteration level): waiting queue in the policy's admission order
+(:mod:`~kvflow_agents.serving.policy.admission`: FIFO for lru / hicache / oracle, oldest
+workflow first for kvflow; ``admission=`` overrides); each iteration either runs a
 prefill batch of newly admitted requests (up to ``max_prefill_tokens`` new tokens and
 ``max_running`` requests; KV for prompt + output reserved at admission) or one decode step for
 all running requests (decode steps between events are fast-forwarded: same batch, context
@@ -49,6 +51,7 @@ Policy-core features the simulator uses (``reserve=True``, ``load_vs_recompute=N
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -160,6 +163,7 @@ class SimResult:
     exposed_load_s: float
     hidden_fraction: Optional[float]
     cache: dict
+    latency_p90_s: float = 0.0     # p90 of the same round latencies
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -172,7 +176,7 @@ class Simulator:
                  max_prefill_tokens: int = 16384, lease_s: float = 3600.0,
                  layerwise: bool = True, reserve: bool = True,
                  load_vs_recompute: Optional[bool] = None,
-                 workflow_admission: bool = False) -> None:
+                 admission: Optional[str] = None) -> None:
         self.p = profile
         self.w = workload
         self.policy = get_policy(policy)
@@ -206,17 +210,9 @@ class Simulator:
         self.mgr = KVCacheManager(self.policy, page_size=ps, device_pages=dev // ps,
                                   host_pages=host // ps, backend=self.backend, lookahead=lookahead,
                                   max_inflight_loads=max_inflight_loads, lease_s=lease_s,
-                                  reserve_pages=None if reserve else 0, recompute_cost=rec)
+                                  reserve_pages=None if reserve else 0, recompute_cost=rec,
+                                  admission=admission)
         self.max_running, self.max_prefill = max_running, max_prefill_tokens
-        # Workflow-aware admission (opt-in): when the workflows with work pending need more
-        # device memory than there is, admit whole workflows (oldest first) while their
-        # working sets fit, and let the others wait at their next request, instead of
-        # admitting request by request. Measured in
-        # serving/sim/RESULTS.md: per-round latency of the admitted workflows drops, but in
-        # the decode-bound A10G configs the smaller running batch costs throughput (makespan),
-        # so it is not the default.
-        self.workflow_admission = workflow_admission
-        self._active: dict = {}        # workflow id -> working-set estimate (tokens), in order
         self.layerwise = layerwise
         self.tokens = Tokens()
         self.events: list = []
@@ -233,7 +229,6 @@ class Simulator:
         wf.step += 1
         if wf.step >= len(wf.plan.steps):
             self.mgr.release_workflow(wf.plan.id)
-            self._active.pop(wf.plan.id, None)
             return
         st = wf.plan.steps[wf.step]
         at = st.at if st.at is not None else t + st.gap_s
@@ -251,7 +246,8 @@ class Simulator:
                                           event=None)
             req.session = self.mgr.arrive(prompt, hints, kv_tokens=len(prompt) + len(req.out),
                                           fixed_len=c.fixed if c.tag is None else c.tag)
-            self.waiting.append(req)
+            # waiting requests stay in admission order (kvflow: oldest workflow first)
+            bisect.insort(self.waiting, req, key=lambda x: x.session.admission_key)
 
     def _finish(self, r: Req) -> None:
         r.done = self.t
@@ -270,52 +266,14 @@ class Simulator:
             self._schedule_step(wf, wf.client_done)
 
     # ------------------------------------------------------------------ scheduler
-    @staticmethod
-    def _working_set(r: Req) -> int:
-        """Device tokens a workflow needs while this request runs: the request itself and room
-        for its next agent's fixed prefix (prefetched behind it)."""
-        return len(r.prompt) + len(r.out) + r.call.fixed
-
-    def _admissible_workflows(self) -> Optional[set]:
-        """Workflow-aware admission: ``None`` when every workflow with pending work fits (no
-        gate); else the active set, grown by the oldest waiting workflows while it fits."""
-        if not self.workflow_admission:
-            return None
-        cap = self.mgr.device.capacity * self.ps
-        demand: dict = {}
-        for r in self.running + self.waiting:
-            wid = r.wf.plan.id
-            demand[wid] = max(demand.get(wid, 0), self._working_set(r))
-        if sum(demand.values()) <= cap:
-            self._active = dict(demand)
-            return None
-        active = self._active
-        for wid in list(active):
-            if wid in demand:
-                active[wid] = demand[wid]
-        used = sum(active.values())
-        for r in self.waiting:  # FIFO by the arrival of their waiting request
-            wid = r.wf.plan.id
-            if wid in active:
-                continue
-            if used + demand[wid] > cap and active:
-                break
-            active[wid] = demand[wid]
-            used += demand[wid]
-        return set(active)
-
     def _admit(self) -> list[Req]:
         admitted, keep, budget = [], [], self.max_prefill
         self._admitting = admitted
         aware = self.policy.status_aware
         blocked = False
-        gate = self._admissible_workflows()
         for r in self.waiting:
             if blocked or budget <= 0 or len(self.running) + len(admitted) >= self.max_running:
                 keep.append(r)
-                continue
-            if gate is not None and r.wf.plan.id not in gate:
-                keep.append(r)   # its workflow waits for room (workflow-aware admission)
                 continue
             s = r.session
             p = s.poll(start_load=False)
@@ -485,6 +443,7 @@ class Simulator:
         return SimResult(
             policy=self.policy.name, workload=self.w.name,
             latency_s=sum(lat) / len(lat) if lat else 0.0,
+            latency_p90_s=sorted(lat)[min(len(lat) - 1, int(0.9 * len(lat)))] if lat else 0.0,
             makespan_s=(max(e for _, e in spans) - min(s for s, _ in spans)) if spans else self.t,
             ttft_mean_s=sum(r.first_token - r.arrival for r in meas) / len(meas),
             requests=len(self.finished),

@@ -29,6 +29,7 @@ def run_table(results: dict[str, SimResult], title: str):
     for p in results:
         t.add_column(p, justify="right")
     rows = [("workflow latency (s)", lambda r: _f(r.latency_s, "{:.3f}")),
+            ("  p90 (s)", lambda r: _f(r.latency_p90_s, "{:.3f}")),
             ("makespan (s)", lambda r: _f(r.makespan_s, "{:.2f}")),
             ("TTFT mean (ms)", lambda r: _f(r.ttft_mean_s * 1e3, "{:.1f}")),
             ("recomputed tokens", lambda r: str(r.recomputed_tokens)),

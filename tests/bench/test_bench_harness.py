@@ -319,6 +319,21 @@ def test_paper_regime_target_and_fit():
     assert r.exit_code == 2 and "paper" in r.output
 
 
+def test_paper_regime_probes_a_served_engine():
+    """``--preset paper`` measures recompute and call on a real ``kvflow serve`` (it once sent
+    the model name "default", which the server rightly refuses: the preset failed at once)."""
+    from kvflow_agents.bench.calibrate import choose_fixed_for_ratio
+    from kvflow_agents.bench.workload import token_counter
+
+    log: list = []
+    cal = choose_fixed_for_ratio("tiny-random", token_counter("tiny-random"), target_ratio=1.0,
+                                 dynamic=16, output=4, samples=1, probes=(128, 256),
+                                 max_fixed=512, log=log.append)
+    assert [p[0] for p in cal.probes[:2]] == [128, 256] and len(log) == 3
+    assert 64 <= cal.fixed <= 512 and cal.fixed % 64 == 0
+    assert cal.recompute_s > 0 and cal.call_s > 0 and cal.ratio_at_fixed > 0
+
+
 def test_cache_cost_saving_from_counters():
     """Recomputed tokens x calibrated s/token + exposed load: the saving ratio on it."""
     def res(p, miss, exposed):

@@ -11,6 +11,8 @@ import pytest
 from kvflow_agents.protocol import Hints
 from kvflow_agents.serving.embedded.engine import Engine, EngineInputError
 from kvflow_agents.serving.embedded.scheduler import Request, SamplingParams, Scheduler
+from kvflow_agents.serving.policy import get_policy
+from kvflow_agents.testing import wait_until
 
 from serving_helpers import AGENTS, cycle_ste, system_prompt
 
@@ -137,3 +139,27 @@ def test_record_writes_a_trace_the_simulator_replays(tiny_model, tmp_path):
     assert recs[0]["fixed_tokens"] > 0 and recs[0]["fixed_hash"] == recs[2]["fixed_hash"]
     assert recs[0]["ste"] == {"A": 0, "B": 1} and recs[2]["cached_tokens"] >= recs[0]["fixed_tokens"] // 16 * 16
     assert from_trace(recs)  # the simulator turns it into a workload
+
+
+@pytest.mark.parametrize("policy,admission,want", [
+    ("kvflow", None, ["A1", "A2", "B1"]),       # kvflow: the older workflow's next call first
+    ("kvflow", "fcfs", ["A1", "B1", "A2"]),     # the engine's override
+    ("hicache", None, ["A1", "B1", "A2"]),      # the baselines: request arrival (SGLang's FCFS)
+])
+def test_engine_admits_in_the_policys_order(tiny_model, policy, admission, want):
+    """One request runs at a time (max_batch=1); A's second call arrives after B's first. The
+    engine admits waiting requests in the policy's admission order."""
+    done: list = []
+    with Engine(loaded=tiny_model, model="tiny-random", policy=policy, device_tokens=4096,
+                max_batch=1, admission=admission, start=False) as eng:
+        def req(name, wf, agent):
+            ids = eng.tokenizer.encode(f"{name}: " + system_prompt(agent))
+            return Request(ids, SamplingParams(max_tokens=3, ignore_eos=True),
+                           lambda ev, n=name: done.append(n) if ev.done else None,
+                           hints=Hints(workflow=wf, agent=agent, ste=cycle_ste(agent)))
+        for name, wf, agent in (("A1", "A", AGENTS[0]), ("B1", "B", AGENTS[0]), ("A2", "A", AGENTS[1])):
+            eng.submit(req(name, wf, agent))
+        assert eng.manager.admission.order == (admission or get_policy(policy).admission)
+        eng.start()
+        wait_until(lambda: len(done) == 3, timeout=60)
+    assert done == want
