@@ -50,7 +50,8 @@ request alone, not on batching or cache state.
 
 One scheduler step: first poll of new arrivals (hit, pin, start on-demand loads of host-only
 prefixes) → ``manager.tick()`` (finish due loads, start prefetches from the planner's plan) →
-admit ready requests (status-aware: loading ones are skipped, see ``scheduler.py``; pages for
+admit ready requests in the policy's admission order (kvflow: the oldest workflow's call first,
+``serving/policy/admission.py``; status-aware: loading ones are skipped, see ``scheduler.py``; pages for
 prompt + max_tokens are reserved at admission) → chunked prefill (``max_prefill_tokens`` per
 step, reusing each request's cached device prefix) → one batched decode over all running
 requests whose prefill is done.

@@ -10,7 +10,9 @@ Request life cycle (``Request.state``)::
     RUNNING ──(EOS / stop string / max_tokens / abort)──> FINISHED
 
 Admission rule (status-aware continuous batching):
-- candidates are taken oldest first (FIFO by arrival), at most ``max_batch`` running;
+- candidates are taken in admission order (their session's ``admission_key``: arrival order for
+  lru / hicache / oracle, the oldest workflow's call first for kvflow), at most ``max_batch``
+  running;
 - a request whose prefix is still loading is *skipped* under a status-aware policy (kvflow) so
   ready requests behind it run meanwhile; under the other policies it blocks the queue
   (head-of-line, as a synchronous load would);
