@@ -58,6 +58,7 @@ def snapshot(mgr) -> dict:
     dev, host = store.device, store.host
     return {
         "policy": mgr.policy.name,
+        "admission": mgr.admission.order,
         "page_size": mgr.page_size,
         "nodes": store.tree.num_nodes,
         "pools": {

@@ -311,6 +311,7 @@ def test_snapshot_is_json_and_metrics_dict():
     snap = m.snapshot()
     json.dumps(snap)
     assert snap["pools"]["device"]["used"] == 8 and snap["policy"] == "kvflow"
+    assert snap["admission"] == "workflow"
     assert [(a["agent"], a["residency"], a["priority"]) for a in snap["agents"]] == [
         ("A", "device", 1), ("B", "device", None)]
     d = m.metrics.as_dict()
