@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from kvflow_agents.serving.policy.admission import ADMISSION_ORDERS
+from kvflow_agents.serving.policy.admission import check_admission
 
 from .scheduler import SamplingParams
 
@@ -74,8 +74,8 @@ class EngineConfig:
         c = self.deterministic_chunk
         if c < self.page_size or c % self.page_size or c > 512:
             raise ValueError("deterministic_chunk must be a multiple of page_size, at most 512")
-        if self.admission is not None and self.admission not in ADMISSION_ORDERS:
-            raise ValueError(f"admission must be one of {list(ADMISSION_ORDERS)}")
+        if self.admission is not None:
+            check_admission(self.admission)
         client_cap_pages(self, 1)  # raises on a bad value
 
 

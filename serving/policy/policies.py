@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from .admission import ADMISSION_ORDERS
+from .admission import check_admission
 
 INF = math.inf
 
@@ -86,8 +86,7 @@ class KVFlowPolicy(CachePolicy):
     def __init__(self, backup: str = "all", prefetch: bool = True, admission: str = "workflow") -> None:
         if backup not in ("all", "tagged"):
             raise ValueError("backup must be 'all' or 'tagged'")
-        if admission not in ADMISSION_ORDERS:
-            raise ValueError(f"admission must be one of {list(ADMISSION_ORDERS)}")
+        check_admission(admission)
         self.backup = backup
         self.prefetch = prefetch  # False: eviction order and status only (ablation / Belady check)
         self.admission = admission  # "fcfs": request order, as the baselines (ablation)
