@@ -73,7 +73,7 @@ log = logging.getLogger("kvflow_agents")
 __all__ = ["instrument", "AutoGenInstrumentation", "instrumentation", "compile_team",
            "compile_digraph", "default_model", "current_agent"]
 
-_OWN_KWARGS = ("app_id", "model", "learn", "recorder", "hints_url", "autopatch")
+_OWN_KWARGS = ("app_id", "model", "learn", "recorder", "hints_url", "autopatch", "next_run")
 
 def default_model() -> TransitionModel:
     """The transition model instrumentations share unless given ``model=`` (one per process,
@@ -112,8 +112,9 @@ class AutoGenInstrumentation:
 
     def __init__(self, team: Any, *, app_id: Optional[str] = None, model: Optional[TransitionModel] = None,
                  learn: bool = True, recorder: Optional[TraceRecorder] = None,
-                 hints_url: Optional[str] = None) -> None:
+                 hints_url: Optional[str] = None, next_run: bool = False) -> None:
         self.team = team
+        self.next_run = next_run  # hints name the next run's entry agents (AgentStepGraph.next_run_ste)
         self.graph, self.spec = compile_team(team, name=app_id)
         self.app = app_id or self.graph.name
         self.model = model if model is not None else default_model()
@@ -223,6 +224,8 @@ class AutoGenInstrumentation:
 
     def _hints(self, agent: str) -> Hints:
         _exact, wire = self.ste(agent)
+        if self.next_run:
+            wire = self.graph.next_run_ste(wire)
         router = any(s.router == agent for s in self._routers)
         return Hints(workflow=self.workflow_id, agent=agent, step=self.tracker.step, ste=wire,
                      next=next_agents(wire), app=self.app, fixed_messages=0 if router else None)
@@ -303,6 +306,8 @@ def instrument(app: Any, **kwargs: Any) -> Any:
     Keywords: ``app_id=`` the app name sent as ``kvflow_app`` (learned transitions are per app; default the team's
     name), ``model=`` a :class:`TransitionModel` (default one shared process-wide),
     ``learn=False`` to freeze it, ``recorder=`` a :class:`TraceRecorder` for the runs,
+    ``next_run=True`` when the team is run again after a run ends (hints then give its entry
+    agents the next run's STE, :meth:`~kvflow_agents.graph.AgentStepGraph.next_run_ste`),
     ``hints_url=`` where out-of-band hints go (default: the server the LLM requests use),
     ``autopatch=False`` to leave the ``openai`` SDK alone (then pass
     ``http_client=kvflow.async_http_client()`` to the model client).

@@ -195,8 +195,9 @@ class LangGraphInstrumentation:
 
     def __init__(self, info: ASGInfo, app_id: str, hints_url: Optional[str] = None, *,
                  model: Optional[TransitionModel] = None, learn: bool = True,
-                 recorder: Optional[TraceRecorder] = None) -> None:
+                 recorder: Optional[TraceRecorder] = None, next_run: bool = False) -> None:
         self.info = info
+        self.next_run = next_run  # hints name the next run's entry agents (AgentStepGraph.next_run_ste)
         self.graph: AgentStepGraph = info.graph
         self.app_id = app_id
         self.model = model if model is not None else default_model()
@@ -555,6 +556,8 @@ class LangGraphInstrumentation:
         if cached is not None and cached[0] == wf.version:
             return cached[1]
         ste = wf.tracker.wire_ste()  # expected STE (learned), never below the exact one
+        if self.next_run:
+            ste = self.graph.next_run_ste(ste)
         nxt = next_agents(ste)
         # Our own values (ids checked when the workflow was created): skip re-validation.
         h = Hints.model_construct(workflow=wf.wire_id, agent=agent, step=step, ste=ste, next=nxt,
@@ -765,7 +768,7 @@ def _default_app_id(compiled: Any, graph: AgentStepGraph) -> str:
 def instrument(graph: Any, *, app_id: Optional[str] = None, hints_url: Optional[str] = None,
                tool_nodes: Iterable[str] = (), warn: bool = True, model: Optional[TransitionModel] = None,
                learn: bool = True, transitions: Any = None, recorder: Optional[TraceRecorder] = None,
-               **compile_kwargs: Any) -> Any:
+               next_run: bool = False, **compile_kwargs: Any) -> Any:
     """Instrument a LangGraph ``StateGraph`` (compiled here with ``compile_kwargs``) or a
     compiled ``StateGraph``. Returns a compiled graph with ``.kvflow_graph`` (the Agent Step
     Graph) and ``.kvflow`` (:class:`LangGraphInstrumentation`).
@@ -776,6 +779,10 @@ def instrument(graph: Any, *, app_id: Optional[str] = None, hints_url: Optional[
     LLM request, besides those marked ``metadata={"kvflow": {"llm": False}}`` and prebuilt
     ``ToolNode``\\ s. ``warn=False`` silences :class:`KVFlowGraphWarning`.
     ``model`` / ``learn`` / ``transitions`` / ``recorder``: learned transitions (module doc).
+    ``next_run=True``: the app is invoked again after a run ends (a stream of questions, the
+    next chat turn), so hints give its entry agents the STE of the next run's first step
+    (:meth:`AgentStepGraph.next_run_ste`) and the server can bring their prefix back while the
+    current run's last agent runs.
     """
     existing = getattr(graph, "kvflow", None)
     if isinstance(existing, LangGraphInstrumentation):
@@ -802,7 +809,7 @@ def instrument(graph: Any, *, app_id: Optional[str] = None, hints_url: Optional[
     if transitions is not None:
         model.bind_file(transitions)
     inst = LangGraphInstrumentation(info, app_id or _default_app_id(compiled, info.graph), hints_url,
-                                    model=model, learn=learn, recorder=recorder)
+                                    model=model, learn=learn, recorder=recorder, next_run=next_run)
     out = compiled.with_config(callbacks=[inst.handler])
     out.kvflow_graph = info.graph
     out.kvflow = inst

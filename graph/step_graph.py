@@ -272,6 +272,25 @@ class AgentStepGraph:
         dist = self._bfs(c, running, arrived)
         return {n: (INF if d < 0 else d) for n, d in zip(c.names, dist)}
 
+    def next_run_ste(self, ste: Mapping[str, float]) -> dict[str, float]:
+        """``ste`` with the app's *next run* added: an app invoked again after this run ends (the
+        next question, the next turn) starts at its entry agents one step after the last agent
+        before END, so each entry agent gets min(its STE, min over END's predecessors of STE +
+        1). Opt-in (``kvflow.instrument(..., next_run=True)``): it predicts a workflow the
+        server has not seen yet, so the server can bring the entry agent's prefix back while
+        the current run's last agent runs instead of after the next run's first request."""
+        out = dict(ste)
+        if END not in self._g:
+            return out
+        last = min((ste.get(u, INF) for u in self._g.predecessors(END) if u not in _PSEUDO),
+                   default=INF)
+        if last < INF:
+            c = self._compile()
+            for i in c.start_succ:
+                a = c.names[i]
+                out[a] = min(out.get(a, INF), last + 1)
+        return out
+
     @staticmethod
     def _bfs(c: _Compiled, running: set[str], arrived: Mapping[str, Iterable[str]]) -> list[int]:
         """One breadth-first pass; the queue stays sorted by distance, so a node's first

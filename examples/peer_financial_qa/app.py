@@ -496,9 +496,12 @@ def initial_state(q: Any) -> PeerState:
             "rounds": 0, "plans": 0}
 
 
-def compile_app(builder: StateGraph, *, instrument: bool = True, **instrument_kwargs: Any) -> Any:
+def compile_app(builder: StateGraph, *, instrument: bool = True, next_run: bool = False,
+                **instrument_kwargs: Any) -> Any:
     """Instrument with ``kvflow.instrument`` (when the LangGraph adapter is installed and
-    ``instrument`` is true) and compile. Returns ``(app, instrumented: bool)``."""
+    ``instrument`` is true) and compile. Returns ``(app, instrumented: bool)``. ``next_run=True``
+    when the app answers questions one after another: its hints name the next question's
+    planner while the reviewer runs (``kvflow.instrument(..., next_run=True)``)."""
     app: Any = builder
     instrumented = False
     if instrument:
@@ -509,7 +512,7 @@ def compile_app(builder: StateGraph, *, instrument: bool = True, **instrument_kw
         else:
             import kvflow_agents as kvflow
 
-            app = kvflow.instrument(builder, **instrument_kwargs)
+            app = kvflow.instrument(builder, next_run=next_run, **instrument_kwargs)
             instrumented = True
     if hasattr(app, "compile") and not hasattr(app, "invoke"):
         app = app.compile()

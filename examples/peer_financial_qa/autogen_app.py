@@ -364,9 +364,10 @@ def build_team(client: Any, *, jump: str = "expressing", max_rounds: int = 2,
 
 
 def instrument_team(team: GraphFlow, *, instrument: bool = True, app_id: str = APP_ID,
-                    **kwargs: Any) -> tuple[GraphFlow, bool]:
+                    next_run: bool = False, **kwargs: Any) -> tuple[GraphFlow, bool]:
     """``kvflow.instrument(team, app_id=...)`` when the AutoGen adapter is installed and
-    ``instrument`` is true. Returns ``(team, instrumented)``."""
+    ``instrument`` is true. Returns ``(team, instrumented)``. ``next_run=True`` when questions
+    come one after another: the hints name the next question's planner while the reviewer runs."""
     if not instrument:
         return team, False
     try:
@@ -375,7 +376,7 @@ def instrument_team(team: GraphFlow, *, instrument: bool = True, app_id: str = A
         return team, False
     import kvflow_agents as kvflow
 
-    return kvflow.instrument(team, app_id=app_id, **kwargs), True
+    return kvflow.instrument(team, app_id=app_id, next_run=next_run, **kwargs), True
 
 
 async def run_question(team: GraphFlow, question: Any) -> dict[str, Any]:
@@ -525,8 +526,9 @@ class AutoGenPeer:
     def __init__(self, *, base_url: str, model: str, api_key: str = "kvflow", max_tokens: int = 256,
                  temperature: float = 0.0, seed: Optional[int] = None, jump: str = "expressing",
                  max_rounds: int = 2, executors: int = DEFAULT_EXECUTORS, instrument: bool = True,
-                 app_id: str = APP_ID, timeout: float = 600.0,
+                 app_id: str = APP_ID, timeout: float = 600.0, next_run: bool = False,
                  on_call: Optional[Callable[[dict[str, Any]], Any]] = None) -> None:
+        self.next_run = next_run
         self.team_options = {"jump": jump, "max_rounds": max_rounds, "executors": executors}
         check_options(**self.team_options)
         self.client_options = {"base_url": base_url, "model": model, "api_key": api_key,
@@ -542,7 +544,8 @@ class AutoGenPeer:
 
     def new_team(self, client: Any) -> GraphFlow:
         team = build_team(client, **self.team_options)
-        team, self.instrumented = instrument_team(team, instrument=self.instrument, app_id=self.app_id)
+        team, self.instrumented = instrument_team(team, instrument=self.instrument, app_id=self.app_id,
+                                                  next_run=self.next_run)
         return team
 
     async def ainvoke(self, question: Any) -> dict[str, Any]:
@@ -595,7 +598,7 @@ class AutoGenPeerApp(PeerApp):
                                 max_tokens=opts.max_tokens, temperature=0.0, seed=getattr(opts, "seed", None),
                                 jump=opts.jump, max_rounds=opts.max_rounds,
                                 executors=int(getattr(opts, "executors", None) or DEFAULT_EXECUTORS),
-                                on_call=self._record)
+                                next_run=getattr(opts, "next_run", False), on_call=self._record)
         self.instrumented = self.peer.instrumented
         self.base_url = base_url
         self.result = WorkloadResult()

@@ -84,6 +84,7 @@ class PeerOptions:
     framework: str = "langgraph"  # or "autogen": the GraphFlow version of the same example
     hints: str = "on"             # on | none | random | reversed | stale (see hint_modes)
     hint_lag: int = 2
+    next_run: bool = True         # questions come one after another: hints name the next planner
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -190,7 +191,8 @@ class PeerApp:
                        max_tokens=opts.max_tokens, temperature=0.0, seed=opts.seed,
                        callbacks=[self.capture])
         self.app, self.instrumented = compile_app(build_graph(llm, jump=opts.jump,
-                                                              max_rounds=opts.max_rounds))
+                                                              max_rounds=opts.max_rounds),
+                                                  next_run=opts.next_run)
         self.base_url = base_url
         self.result = WorkloadResult()
         self.answers: list[dict] = []

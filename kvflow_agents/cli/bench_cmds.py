@@ -351,6 +351,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         seed: int = typer.Option(0, help="Sampling seed sent to the server."),
         hints: str = typer.Option("on", help=_HINTS_HELP),
         hint_lag: int = typer.Option(2, min=1, help="--hints stale: STE map from this many requests earlier."),
+        next_run: bool = typer.Option(True, help="The app's hints name the next question's planner while "
+                                      "the reviewer runs (kvflow.instrument(next_run=True)): questions come "
+                                      "one after another."),
         wide: bool = typer.Option(False, help="Every table row (the default table fits 80 columns)."),
         progress: bool = typer.Option(True, help="Progress bars."),
     ) -> None:
@@ -382,7 +385,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         opts = peer_bench.PeerOptions(questions=questions, ids=ids.split(",") if ids else None,
                                       warmup_questions=warmup_questions, jump=jump, max_rounds=max_rounds,
                                       max_tokens=max_tokens, seed=seed, framework=framework,
-                                      hints=hints, hint_lag=hint_lag)
+                                      hints=hints, hint_lag=hint_lag, next_run=next_run)
         try:
             qs, warm = peer_bench.pick_questions(opts)
         except ValueError as e:

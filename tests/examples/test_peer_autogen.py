@@ -81,9 +81,11 @@ class Script:
         return "?"
 
 
-def run_ag(srv: RecordingOpenAIServer, question: Any = Q1, *, instrument: bool = True, **team_kw: Any) -> dict:
+def run_ag(srv: RecordingOpenAIServer, question: Any = Q1, *, instrument: bool = True,
+           next_run: bool = False, **team_kw: Any) -> dict:
     client = ag.make_client(base_url=srv.base_url, model="stub", max_tokens=32, seed=1)
-    team, instrumented = ag.instrument_team(ag.build_team(client, **team_kw), instrument=instrument)
+    team, instrumented = ag.instrument_team(ag.build_team(client, **team_kw), instrument=instrument,
+                                            next_run=next_run)
     assert instrumented == instrument
 
     async def go() -> dict:
@@ -147,6 +149,23 @@ def test_graph_shape_fixed_fanout_all_join_and_review_loop():
 
 
 # ---------------------------------------------------------------------------- the default loop
+def test_next_run_hints_name_the_next_questions_planner():
+    """``instrument_team(next_run=True)``: while the reviewer runs, the next question's planner
+    is one step after the team's ``final`` agent (the last before END); without it the planner
+    is unreachable (None on the wire)."""
+    def by_role(next_run):
+        with RecordingOpenAIServer(reply=Script(verdicts=["PASS"])) as srv:
+            r = run_ag(srv, next_run=next_run)
+            reqs = sent(srv)
+        assert r["final_verdict"] == "PASS"
+        return {role: (h["kvflow_ste"]["planner"], h["kvflow_ste"]["final"]) for role, _body, h in reqs}
+    on, off = by_role(True), by_role(False)
+    planner, final = on["reviewer"]
+    assert final >= 1 and planner == final + 1 and on["planner"][0] == 0
+    assert on["expresser"][0] == on["expresser"][1] + 1
+    assert off["reviewer"][0] is None and off["expresser"][0] is None
+
+
 def test_default_jump_fail_goes_back_to_expresser_with_layout_and_hints():
     with RecordingOpenAIServer(reply=Script(verdicts=["FAIL", "PASS"])) as srv:
         r = run_ag(srv)

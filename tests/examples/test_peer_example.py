@@ -85,12 +85,13 @@ class Script:
 
 
 def run_questions(srv: RecordingOpenAIServer, questions: list[data.Question], *, jump: str = "expressing",
-                  instrument: bool = False, callbacks: list[Any] | None = None
+                  instrument: bool = False, callbacks: list[Any] | None = None, next_run: bool = False
                   ) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
     """Run each question through the compiled graph; ``[(final_state, request_bodies)]``."""
     llm = peer.make_llm(base_url=srv.base_url, model="stub", api_key="x", max_tokens=64,
                         callbacks=callbacks)
-    app, _ = peer.compile_app(peer.build_graph(llm, jump=jump, max_rounds=2), instrument=instrument)
+    app, _ = peer.compile_app(peer.build_graph(llm, jump=jump, max_rounds=2), instrument=instrument,
+                              next_run=next_run)
     out = []
     for q in questions:
         before = len(srv.llm_requests())
@@ -478,6 +479,21 @@ def test_instrumented_requests_carry_kvflow_agent(jump, retry):
     # by the graph; the learned STE stretches it once the run has shown how the reviews go)
     rev = [cp for body, cp in zip(bodies, cps) if agent_of(body) == "reviewer"]
     assert rev[0]["kvflow_ste"][retry] == 1 and all(cp["kvflow_ste"][retry] <= 2 for cp in rev)
+
+
+@pytest.mark.skipif(not HAS_ADAPTER, reason="kvflow_agents.adapters.langgraph not written yet")
+def test_next_run_hints_name_the_next_questions_planner():
+    """With ``next_run`` (questions one after another) the reviewer's hints put the planner one
+    step away (the next question starts there once this one ends); without it the planner,
+    which this run never reaches again, is unreachable."""
+    def planner_ste(next_run):
+        with RecordingOpenAIServer(reply=Script()) as srv:
+            [(r, bodies)] = run_questions(srv, [Q1], instrument=True, next_run=next_run)
+        assert r["final_verdict"] == "PASS"
+        return {agent_of(b): b["custom_params"]["kvflow_ste"]["planner"] for b in bodies}
+    on, off = planner_ste(True), planner_ste(False)
+    assert on["reviewer"] == 1 and on["expresser"] == 2 and on["planner"] == 0
+    assert off["reviewer"] is None and off["expresser"] is None and off["planner"] == 0
 
 
 def test_uninstrumented_requests_carry_no_hints():

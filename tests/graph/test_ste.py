@@ -35,6 +35,23 @@ def figure3(kind: str) -> AgentStepGraph:
     return g
 
 
+def test_next_run_puts_entry_agents_one_step_after_the_end():
+    """``next_run_ste``: an app run again starts at its entry agents one step after the last
+    agent before END (min over END's predecessors); nothing else changes; no END, no change."""
+    g = AgentStepGraph("peer")
+    g.add_edge(START, "planner").add_edge("planner", "executor").add_edge("executor", "expresser")
+    g.add_edge("expresser", "reviewer").add_edge("reviewer", "expresser", conditional=True)
+    g.add_edge("reviewer", END, conditional=True)
+    ste = g.steps_to_execution(["executor"])
+    assert ste == {"planner": INF, "executor": 0, "expresser": 1, "reviewer": 2}
+    assert g.next_run_ste(ste) == {**ste, "planner": 3}
+    assert g.next_run_ste(g.steps_to_execution(["reviewer"]))["planner"] == 1
+    assert g.next_run_ste(g.steps_to_execution(["planner"]))["planner"] == 0  # min with its own
+    assert g.next_run_ste({a: INF for a in g.agents}) == {a: INF for a in g.agents}  # run over
+    loop = paper_loop()  # a cycle never ends: no next run to predict
+    assert loop.next_run_ste(loop.steps_to_execution(["Executor"])) == loop.steps_to_execution(["Executor"])
+
+
 def test_figure3_and_takes_max_plus_one():
     ste = figure3("and").steps_to_execution(running={"Current"})
     assert (ste["Executor1"], ste["Executor2"], ste["Expresser"]) == (1, 2, 3)
