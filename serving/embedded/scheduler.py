@@ -27,6 +27,7 @@ Admission rule (status-aware continuous batching):
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 import math
@@ -207,13 +208,8 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         """Queue ``req`` in admission order (its session's ``admission_key``: arrival order
-        under fcfs, oldest workflow first under kvflow's ``workflow`` order). New requests
-        mostly go last, so the place is searched from the back."""
-        key = _admission_key(req)
-        i = len(self.waiting)
-        while i > 0 and _admission_key(self.waiting[i - 1]) > key:
-            i -= 1
-        self.waiting.insert(i, req)
+        under fcfs, oldest workflow first under kvflow's ``workflow`` order)."""
+        bisect.insort(self.waiting, req, key=_admission_key)
 
     def remove(self, rid: str) -> Optional[Request]:
         for q in (self.waiting, self.running):
