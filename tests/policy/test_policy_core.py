@@ -29,12 +29,54 @@ def test_page_pool_alloc_free_and_double_free():
     assert sorted(pool.alloc(2)) == [0, 3]
 
 
-def test_growable_pool_mints_new_ids():
-    pool = PagePool(1, growable=True)
-    pages = pool.alloc(5)
-    assert sorted(pages) == list(range(5)) and pool.capacity == 5 and pool.num_free == 0
-    pool.free(pages)
-    assert pool.num_free == 5
+def test_page_pool_hands_out_neighbouring_pages():
+    """Best fit: the smallest free run that holds the request, ascending; freed neighbours merge."""
+    pool = PagePool(32)
+    a, b, c, d = pool.alloc(8), pool.alloc(4), pool.alloc(8), pool.alloc(4)
+    assert a == list(range(8)) and b == list(range(8, 12)) and d == list(range(20, 24))
+    pool.free(b)
+    pool.free(c[::-1])                         # any order: runs are found after sorting
+    assert pool.free_runs() == [(8, 20), (24, 32)]
+    assert pool.alloc(6) == list(range(24, 30))  # the 8-page run fits 6 better than the 12
+    assert pool.alloc(10) == list(range(8, 18))
+    e = pool.alloc(4)                          # no run of 4 left (2 + 2): the longest pieces
+    assert e == [18, 19, 30, 31] and pool.num_free == 0 and pool.num_runs == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 12), st.integers(0, 10**6)), max_size=60),
+       st.booleans())
+def test_page_pool_matches_a_set_model(ops, growable):
+    """Against a brute-force set of free ids: ids unique and ascending, never handed out twice,
+    counts agree, runs sorted/disjoint/non-adjacent and exactly the free ids, and a request
+    that some free run holds comes out as one run."""
+    pool = PagePool(24, growable=growable)
+    free, held = set(range(24)), []
+    for is_alloc, n, pick in ops:
+        if is_alloc or not held:
+            cap_before, runs_before = pool.capacity, pool.free_runs()
+            got = pool.alloc(n)
+            if got is None:
+                assert not growable and n > len(free)
+                continue
+            free |= set(range(cap_before, pool.capacity))   # minted by a growable pool
+            assert got == sorted(set(got)) and len(got) == n and set(got) <= free
+            if n and any(e - s >= n for s, e in runs_before):
+                assert got[-1] - got[0] == n - 1
+            free -= set(got)
+            held.append(got)
+        else:
+            pages = held.pop(pick % len(held))
+            pool.free(pages)
+            if pages:
+                with pytest.raises(PoolError):
+                    pool.free(pages[:1])
+            free |= set(pages)
+        assert pool.num_free == len(free) and pool.num_used == pool.capacity - len(free)
+        runs = pool.free_runs()
+        assert all(s < e for s, e in runs)
+        assert all(runs[i][1] < runs[i + 1][0] for i in range(len(runs) - 1))  # sorted, apart
+        assert {p for s, e in runs for p in range(s, e)} == free
 
 
 # ---------------------------------------------------------------- transitions
