@@ -197,6 +197,7 @@ class Engine:
         self._inbox.put(lambda: None)
         if self._thread is not None:
             self._thread.join(timeout)
+        self.pool.close()
         if self.recorder is not None:
             self.recorder.close()
 
@@ -654,8 +655,7 @@ class Engine:
 
     def _prefill_chunk(self, req: Request, k: int) -> None:
         n = len(req.prompt_ids)
-        if self._cuda:
-            self.pool.wait_loads(req.pages)
+        self.pool.wait_loads(req.pages)  # loads into its prefix (or into pages it reuses) landed
         t0 = time.perf_counter()
         logits = self.model.prefill(self.pool.device_kv, req.prompt_ids[req.prefilled:req.prefilled + k],
                                     req.pages, req.prefilled)
@@ -673,6 +673,7 @@ class Engine:
         need, have = self.manager.device.capacity, self.pool.num_device_pages
         if need <= have:
             return
+        self.pool.synchronize()  # a load in flight writes into the tensor being replaced
         kv = self.pool.device_kv
         extra = max(need, 2 * have) - have
         shape = kv.shape[:2] + (extra,) + kv.shape[3:]
@@ -682,8 +683,10 @@ class Engine:
         running = [r for r in self.scheduler.running if r.output_ids]  # prefill done
         n0 = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in running]
         seqs = [(r.output_ids[-1], r.pages, pos) for r, pos in zip(running, n0)]
-        if self._cuda:
-            self.pool.wait_loads()
+        # CUDA: the stream waits for every load (free); CPU: only for pages this step writes
+        # (each sequence's next slot; what it reads was waited for at its prefill)
+        self.pool.wait_loads(None if self._cuda else [r.pages[p // self.pool.page_size]
+                                                      for r, p in zip(running, n0)])
         self.counters["decode_steps"] += 1
         try:
             picks = self.sampler.sample(self._decode_logits(seqs), running)

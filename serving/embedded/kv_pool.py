@@ -8,20 +8,24 @@ Both tiers are one tensor each, same layout as the model reads
 
 Page ids are handed out by the policy's allocators; this class never allocates.
 
-- ``backup_to_host(device_pages, host_pages)``: synchronous copy device -> host.
-- ``start_load(host_pages, device_pages) -> ready_time``: copies host -> device. On CPU the copy
-  is done before returning. On CUDA it is queued on a separate stream after the compute stream's
-  current work and recorded with an event; call ``wait_loads(device_pages)`` (GPU-side wait, no
-  CPU block) before a forward that reads them, ``is_ready(device_pages)`` to poll.
+- ``backup_to_host(device_pages, host_pages)``: synchronous copy device -> host (after any
+  load still copying).
+- ``start_load(host_pages, device_pages) -> ready_time``: copies host -> device in the
+  background, as a GPU's copy engine would: on CUDA on a separate stream after the compute
+  stream's current work, recorded with an event; on CPU on one copy thread (a FIFO, so loads
+  land in the order they were started) that the engine thread does not wait for. Before a
+  forward reads or writes pages, call ``wait_loads(those pages)`` (CUDA: a GPU-side wait; CPU:
+  blocks until the copies into them are done, normally long since); ``is_ready`` polls.
   With ``host_link_gbps`` the returned time is virtual: ``max(now, link free) + bytes / (X*1e9)``,
-  i.e. X is in gigaBYTES per second and loads queue on one emulated link; the copy itself is
-  done at once, the pages are only declared usable later, costing no CPU. Without it the
-  returned time is ``now()`` on CPU (copy already done) and an estimate on CUDA.
+  i.e. X is in gigaBYTES per second and loads queue on one emulated link; the pages are declared
+  usable only then. Without it the returned time is ``now()`` on CPU and an estimate on CUDA.
 - ``bytes_per_page``; ``now()`` (``time.monotonic`` unless a ``clock`` is given).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import time
 from typing import Callable, Sequence
 
@@ -29,6 +33,8 @@ import torch
 
 from .model.config import LlamaConfig
 from .model.llama import resolve_device
+
+log = logging.getLogger(__name__)
 
 
 class PagedKVPool:
@@ -52,8 +58,10 @@ class PagedKVPool:
         self.host_kv = torch.zeros(host_shape, dtype=self.dtype,
                                    pin_memory=self._cuda and torch.cuda.is_available())
         self._link_free_at = 0.0
-        self._pending: list[tuple[object, frozenset[int]]] = []  # (cuda event, device pages)
+        # unfinished loads: (cuda event | copy-thread future, device pages written)
+        self._pending: list[tuple[object, frozenset[int]]] = []
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # CPU loads
         self.stats = {"backup_pages": 0, "load_pages": 0, "backup_s": 0.0, "load_s": 0.0}
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -87,12 +95,17 @@ class PagedKVPool:
         if not device_pages:
             return
         t0 = time.perf_counter()
-        d = self._idx(device_pages, self.num_device_pages, self.device)
-        h = self._idx(host_pages, self.num_host_pages, "cpu")
         if self._cuda:
+            d = self._idx(device_pages, self.num_device_pages, self.device)
+            h = self._idx(host_pages, self.num_host_pages, "cpu")
             self.wait_loads(device_pages)
-        data = self.device_kv.index_select(2, d)
-        self.host_kv.index_copy_(2, h, data.cpu() if self._cuda else data)  # .cpu() syncs
+            self.host_kv.index_copy_(2, h, self.device_kv.index_select(2, d).cpu())  # .cpu() syncs
+        else:
+            _check_pages(self.host_kv, host_pages, self.device_kv, device_pages)
+            # a load still copying may read these host pages (freed since) or write these
+            # device pages: let it land first (backups are rare once the pool is warm)
+            self.synchronize()
+            _copy_pages(self.host_kv, host_pages, self.device_kv, device_pages)
         self.stats["backup_pages"] += len(device_pages)
         self.stats["backup_s"] += time.perf_counter() - t0
 
@@ -103,22 +116,44 @@ class PagedKVPool:
         if not device_pages:
             return start
         t0 = time.perf_counter()
-        h = self._idx(host_pages, self.num_host_pages, "cpu")
-        d = self._idx(device_pages, self.num_device_pages, self.device)
         nbytes = len(device_pages) * self.bytes_per_page
         if self._cuda:
+            h = self._idx(host_pages, self.num_host_pages, "cpu")
+            d = self._idx(device_pages, self.num_device_pages, self.device)
             self._cuda_load(h, d, frozenset(int(p) for p in device_pages))
             ready = start + nbytes / self.CUDA_EST_BYTES_PER_S
         else:
-            self.device_kv.index_copy_(2, d, self.host_kv.index_select(2, h))
+            _check_pages(self.device_kv, device_pages, self.host_kv, host_pages)
+            if self._copier is None:
+                self._copier = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="kvflow-kv-copy")
+            fut = self._copier.submit(self._timed_copy, list(device_pages), list(host_pages))
+            self._pending.append((fut, frozenset(int(p) for p in device_pages)))
             ready = start
         if self.host_link_gbps:
             begin = max(start, self._link_free_at)
             self._link_free_at = begin + nbytes / (self.host_link_gbps * 1e9)
             ready = max(ready, self._link_free_at)
         self.stats["load_pages"] += len(device_pages)
-        self.stats["load_s"] += time.perf_counter() - t0
+        if self._cuda:
+            self.stats["load_s"] += time.perf_counter() - t0
         return ready
+
+    def _timed_copy(self, device_pages: list, host_pages: list) -> None:  # on the copy thread
+        t0 = time.perf_counter()
+        try:
+            _copy_pages(self.device_kv, device_pages, self.host_kv, host_pages)
+        except Exception:  # ids were checked: only a broken tensor gets here
+            log.exception("KV load into %d device pages failed", len(device_pages))
+            raise
+        self.stats["load_s"] += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Finish the loads in flight and stop the CPU copy thread (idempotent)."""
+        self.synchronize()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
 
     # -- CUDA stream details -----------------------------------------------------------------------
     def _cuda_load(self, h: torch.Tensor, d: torch.Tensor, pages: frozenset[int]) -> None:
@@ -144,22 +179,80 @@ class PagedKVPool:
         return not any(want is None or want & pages for _, pages in self._pending)
 
     def wait_loads(self, device_pages: Sequence[int] | None = None) -> None:
-        """Make the current CUDA stream wait for loads into ``device_pages`` (all if None).
-        No CPU block; a no-op on CPU, where loads complete inside ``start_load``."""
+        """Loads into ``device_pages`` (all if None) happen before what follows: on CUDA the
+        current stream waits for them (no CPU block); on CPU this thread blocks until they are
+        copied. A no-op when nothing is in flight."""
         if not self._pending:
             return
         want = None if device_pages is None else set(device_pages)
-        cur = torch.cuda.current_stream(self.device)
-        for ev, pages in self._pending:
-            if want is None or want & pages:
-                cur.wait_event(ev)
+        if self._cuda:
+            cur = torch.cuda.current_stream(self.device)
+            for ev, pages in self._pending:
+                if want is None or want & pages:
+                    cur.wait_event(ev)
+        else:
+            for fut, pages in self._pending:
+                if want is None or want & pages:
+                    fut.result()  # a copy that failed raises here, on the reader's thread
         self._prune()
 
     def synchronize(self) -> None:
         """Block the CPU until every load has finished."""
-        for ev, _ in self._pending:
-            ev.synchronize()
-        self._pending.clear()
+        pending, self._pending = self._pending, []
+        for done, _ in pending:
+            if self._cuda:
+                done.synchronize()
+            else:
+                done.result()
 
     def _prune(self) -> None:
-        self._pending = [(ev, p) for ev, p in self._pending if not ev.query()]
+        if self._cuda:
+            self._pending = [(ev, p) for ev, p in self._pending if not ev.query()]
+        else:
+            self._pending = [(f, p) for f, p in self._pending if not f.done()]
+
+
+# A copy of up to this many runs goes slice by slice; more (a fragmented pool) one gather.
+MAX_SLICE_RUNS = 16
+
+
+def page_runs(dst_pages: Sequence[int], src_pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(dst_start, src_start, length)`` for the maximal stretches where both page lists count
+    up by one (the page allocator hands out neighbouring ids, ``policy/pages.py``)."""
+    runs: list[tuple[int, int, int]] = []
+    d0 = s0 = prev_d = prev_s = -2
+    n = 0
+    for d, s in zip(dst_pages, src_pages):
+        if d == prev_d + 1 and s == prev_s + 1:
+            n += 1
+        else:
+            if n:
+                runs.append((d0, s0, n))
+            d0, s0, n = d, s, 1
+        prev_d, prev_s = d, s
+    if n:
+        runs.append((d0, s0, n))
+    return runs
+
+
+def _check_pages(dst: torch.Tensor, dst_pages: Sequence[int], src: torch.Tensor,
+                 src_pages: Sequence[int]) -> None:
+    nd, ns = dst.shape[2], src.shape[2]
+    if min(dst_pages) < 0 or max(dst_pages) >= nd or min(src_pages) < 0 or max(src_pages) >= ns:
+        raise IndexError(f"page id out of range (dst [0, {nd}), src [0, {ns}))")
+
+
+def _copy_pages(dst: torch.Tensor, dst_pages: Sequence[int], src: torch.Tensor,
+                src_pages: Sequence[int]) -> None:
+    """CPU copy of whole pages (dim 2) ``src[src_pages] -> dst[dst_pages]`` (ids checked by the
+    caller). Neighbouring pages go as one slice ``copy_`` (no gather temporary, no index
+    tensors: a 62-page prefix in one run copies ~6x faster than ``index_select`` +
+    ``index_copy_``)."""
+    runs = page_runs(dst_pages, src_pages)
+    if len(runs) <= MAX_SLICE_RUNS:
+        for d, s, n in runs:
+            dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
+        return
+    d = torch.as_tensor(list(dst_pages), dtype=torch.long)
+    s = torch.as_tensor(list(src_pages), dtype=torch.long)
+    dst.index_copy_(2, d, src.index_select(2, s))

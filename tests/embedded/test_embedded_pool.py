@@ -34,7 +34,8 @@ def test_backup_load_roundtrip_restores_kv_and_logits(tiny16):
     pool.device_kv.normal_()                    # the device copy is gone (evicted, reused)
     ready = pool.start_load([7, 0, 15], [4, 5, 11])
     assert ready <= pool.now()                  # no link emulation: usable at once on CPU
-    assert torch.equal(pool.device_kv[:, :, [4, 5, 11]], before)
+    pool.wait_loads([4, 5, 11])                 # (copied on the copy thread, in the background)
+    assert pool.is_ready([4, 5, 11]) and torch.equal(pool.device_kv[:, :, [4, 5, 11]], before)
     got = model.prefill(pool.device_kv, ids[48:], [4, 5, 11, 2, 6], 48, return_all=True)
     assert torch.equal(got, ref)
     assert pool.stats["backup_pages"] == 3 and pool.stats["load_pages"] == 3
@@ -49,7 +50,8 @@ def test_link_emulation_ready_time(tiny16):
     pool.host_kv[:, :, 2] = 1.0
     r1 = pool.start_load([1, 2, 3], [10, 11, 12])
     assert r1 == pytest.approx(100.0 + 3 * bpp / 0.5e9)
-    assert torch.all(pool.device_kv[:, :, 11] == 1.0)   # the copy itself is already done
+    pool.wait_loads([11])                       # the copy itself takes real time only
+    assert torch.all(pool.device_kv[:, :, 11] == 1.0)
     r2 = pool.start_load([4], [13])             # queues behind the first on the one link
     assert r2 == pytest.approx(r1 + bpp / 0.5e9)
     t[0] = 200.0                                # link idle again
@@ -69,6 +71,61 @@ def test_argument_checks(tiny16):
     with pytest.raises(IndexError):
         pool.backup_to_host([-1], [0])
     assert pool.is_ready([0]) and pool.wait_loads([0]) is None
+
+
+@pytest.mark.parametrize("dst_pages,src_pages", [
+    (list(range(10, 20)), list(range(30, 40))),                        # one run each side
+    ([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]),                               # dst breaks once
+    ([60, 61, 2, 3, 40], [7, 8, 9, 1, 2]),                             # both break, descending
+    ([2 * i for i in range(20)], list(range(20))),                     # 20 runs: one gather
+])
+def test_page_copies_match_a_gather(tiny16, dst_pages, src_pages):
+    """backup/load copy neighbouring pages as slices: same bytes as index_select/index_copy_."""
+    from kvflow_agents.serving.embedded.kv_pool import MAX_SLICE_RUNS, page_runs
+
+    _, _, cfg = tiny16
+    pool = make_pool(cfg, device_pages=64, host_pages=64)
+    pool.host_kv.normal_()
+    pool.device_kv.normal_()
+    want = pool.device_kv.clone()
+    want.index_copy_(2, torch.tensor(dst_pages), pool.host_kv.index_select(2, torch.tensor(src_pages)))
+    pool.start_load(src_pages, dst_pages)
+    pool.wait_loads(dst_pages)
+    assert torch.equal(pool.device_kv, want)
+    runs = page_runs(dst_pages, src_pages)
+    assert sum(n for _, _, n in runs) == len(dst_pages)
+    assert (len(runs) > MAX_SLICE_RUNS) == (dst_pages[1] - dst_pages[0] == 2)  # the last case
+    host_want = pool.host_kv.clone()
+    host_want.index_copy_(2, torch.tensor(src_pages), pool.device_kv.index_select(2, torch.tensor(dst_pages)))
+    pool.backup_to_host(dst_pages, src_pages)
+    assert torch.equal(pool.host_kv, host_want)
+
+
+def test_cpu_loads_run_on_a_copy_thread_in_order(tiny16):
+    """start_load returns before the copy is done; loads land in the order they were started
+    (a later load into the same pages wins); backup_to_host and wait_loads see them landed."""
+    import threading
+
+    _, _, cfg = tiny16
+    pool = make_pool(cfg, device_pages=8, host_pages=8)
+    for p in range(8):
+        pool.host_kv[:, :, p] = float(p)
+    gate = threading.Event()
+    pool.start_load([0], [0])                   # starts the copy thread
+    pool._copier.submit(gate.wait)              # hold it: the next loads queue behind
+    pool.start_load([3, 4], [5, 6])
+    pool.start_load([7], [6])                   # same device page, later: must win
+    assert not pool.is_ready([5]) and not pool.is_ready() and pool.is_ready([1, 2])
+    gate.set()
+    pool.wait_loads([6])
+    assert torch.all(pool.device_kv[:, :, 5] == 3.0) and torch.all(pool.device_kv[:, :, 6] == 7.0)
+    pool.start_load([2], [1])
+    pool.backup_to_host([1], [0])               # waits for the load into page 1 first
+    assert torch.all(pool.host_kv[:, :, 0] == 2.0)
+    pool.close()
+    assert pool.is_ready() and pool._copier is None
+    with pytest.raises(IndexError):             # bad ids fail at once, not on the copy thread
+        pool.start_load([8], [0])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
