@@ -51,15 +51,20 @@ class LinkCalibration:
 
 def calibrate_link(model: str, fixed: int, *, counter: TokenCounter, dynamic: int = 32,
                    page_size: int = 16, load_fraction: float = 1 / 3, samples: int = 5,
-                   seed: int = 12345, loaded: Optional[tuple] = None) -> LinkCalibration:
+                   seed: int = 12345, loaded: Optional[tuple] = None,
+                   torch_threads: Optional[int] = None) -> LinkCalibration:
+    """``torch_threads``: the benchmark servers' (the recompute is timed as they will run it)."""
+    import torch
+
     from kvflow_agents.serving.embedded.engine import Engine
 
     if not 0 < load_fraction:
         raise ValueError("load_fraction must be > 0")
     rng = random.Random(seed)
     dev = 4 * (fixed + dynamic + 64) + 4096
+    threads_before = torch.get_num_threads()  # the engine's setting is process-wide: restored
     eng = Engine(model=model, policy="oracle", device_tokens=dev, host_tokens=0,
-                 page_size=page_size, loaded=loaded)
+                 page_size=page_size, loaded=loaded, torch_threads=torch_threads)
     try:
         bpt = eng.pool.bytes_per_page // page_size
         eng.chat([{"role": "user", "content": counter.make_text(64, rng)}], max_tokens=2)  # warm kernels
@@ -85,6 +90,7 @@ def calibrate_link(model: str, fixed: int, *, counter: TokenCounter, dynamic: in
         eng.shutdown()
         del eng
         gc.collect()
+        torch.set_num_threads(threads_before)
 
 
 # ------------------------------------------------------------------------------ the paper's regime
@@ -154,7 +160,8 @@ def _fit_ratio(rows: list) -> Callable[[float], float]:
 def choose_fixed_for_ratio(model: str, counter: TokenCounter, *, target_ratio: float, dynamic: int,
                            output: int, page_size: int = 16, samples: int = 3,
                            probes: tuple = (1024, 2048, 4096), max_fixed: int = 8192,
-                           seed: int = 4242, log=lambda s: None) -> RegimeCalibration:
+                           seed: int = 4242, log=lambda s: None,
+                           torch_threads: Optional[int] = None) -> RegimeCalibration:
     """Probe a few fixed-prompt lengths on a served oracle engine (``kvflow serve``, streamed
     requests, as the bench's calls are), fit recompute (superlinear) and call (nearly flat) in
     the length, solve recompute/call = ``target_ratio`` (at most ``max_fixed`` tokens, a
@@ -168,7 +175,8 @@ def choose_fixed_for_ratio(model: str, counter: TokenCounter, *, target_ratio: f
     rng = random.Random(seed)
     dev = 4 * (max_fixed + dynamic + output + 128) + 4096
     srv = BenchServer(serve_args(model=model, policy="oracle", device_tokens=dev, host_tokens=0,
-                                 page_size=page_size, host_link_gbps=None, lookahead=0, max_batch=4))
+                                 page_size=page_size, host_link_gbps=None, lookahead=0, max_batch=4,
+                                 torch_threads=torch_threads))
 
     async def probe(client, n: int) -> list:
         cold_t, warm_t, warm_lat = [], [], []

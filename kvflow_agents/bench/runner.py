@@ -42,6 +42,7 @@ class ServerConfig:
     host_link_gbps: Optional[float] = None
     lookahead: int = 1
     max_batch: int = 16
+    torch_threads: Optional[int] = None  # None: the server's default (torch's)
     extra_args: Sequence[str] = ()
     startup_timeout_s: float = 300.0
 
@@ -49,7 +50,8 @@ class ServerConfig:
         return serve_args(model=self.model, policy=policy, device_tokens=self.device_tokens,
                           host_tokens=self.host_tokens, page_size=self.page_size,
                           host_link_gbps=self.host_link_gbps, lookahead=self.lookahead,
-                          max_batch=self.max_batch, extra=self.extra_args)
+                          max_batch=self.max_batch, torch_threads=self.torch_threads,
+                          extra=self.extra_args)
 
     # Another engine's config (bench/sglang_engine.py) overrides these three.
     def make_server(self, policy: str) -> BenchServer:

@@ -115,10 +115,20 @@ def _emit(console, doc: dict, results, *, title: str, targets, json_path: Option
             console.print(f"[dim]plot written to {plot_path}[/]")
 
 
+def _server_threads(requested: Optional[int]) -> Optional[int]:
+    """``--server-threads``: None = one core fewer than the machine's, 0 = torch's default."""
+    from kvflow_agents.bench.server import client_core_threads
+
+    if requested is None:
+        return client_core_threads()
+    return requested or None
+
+
 def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[int], device_fraction: float,
                   host_tokens: Optional[int], page_size: int, host_link_gbps: Optional[float],
                   load_fraction: float, lookahead: int, max_batch: int, console, meta: dict, regime=None,
-                  fixed_total: Optional[int] = None, calib_fixed: Optional[int] = None):
+                  fixed_total: Optional[int] = None, calib_fixed: Optional[int] = None,
+                  torch_threads: Optional[int] = None):
     """The servers' pools and link for a synthetic workload (``meta`` gets them): device pool
     ``device_fraction`` of the fixed prompts (at least one request), host 2x the working set,
     link calibrated so a load costs ``load_fraction`` of a recompute."""
@@ -140,7 +150,8 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
 
         console.print(f"[dim]calibrating the emulated host link on {model} …[/]")
         cal = calibrate_link(model, calib_fixed or spec.fixed, counter=counter, dynamic=spec.dynamic,
-                             page_size=page_size, load_fraction=load_fraction)
+                             page_size=page_size, load_fraction=load_fraction,
+                             torch_threads=torch_threads)
         console.print(cal.describe())
         meta["calibration"] = cal.as_dict()
         link = cal.link_gbps
@@ -154,9 +165,11 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
                   + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
     meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host,
                       "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
-                      "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total}
+                      "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total,
+                      "torch_threads": torch_threads}
     return ServerConfig(model=model, device_tokens=dev, host_tokens=host, page_size=page_size,
-                        host_link_gbps=link, lookahead=lookahead, max_batch=max_batch)
+                        host_link_gbps=link, lookahead=lookahead, max_batch=max_batch,
+                        torch_threads=torch_threads)
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -196,6 +209,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                             help="Calibration target: load time / recompute time."),
         lookahead: int = typer.Option(1, min=0, help="Server prefetch lookahead (STE)."),
         max_batch: int = typer.Option(16, min=1, help="Server max batch."),
+        server_threads: Optional[int] = typer.Option(
+            None, min=0, help="torch threads of each server (kvflow serve --torch-threads). Default: "
+                              "one fewer than the CPU cores (the client runs here too); 0: torch's "
+                              "default, every core."),
         base_url: Optional[str] = typer.Option(None, help="Measure this running server (…/v1) instead."),
         served_model: Optional[str] = typer.Option(None, help="Model name sent with --base-url."),
         api_key: Optional[str] = typer.Option(None, envvar="KVFLOW_API_KEY", help="API key for the server(s)."),
@@ -263,7 +280,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             dynamic, output = PAPER_REGIME["dynamic"], PAPER_REGIME["output"]
             regime = choose_fixed_for_ratio(model, _tc(model), target_ratio=target["ratio"], dynamic=dynamic,
                                             output=output, page_size=page_size,
-                                            log=lambda t: console.print(f"[dim]{escape(t)}[/]"))
+                                            log=lambda t: console.print(f"[dim]{escape(t)}[/]"),
+                                            torch_threads=_server_threads(server_threads))
             console.print(regime.describe())
             fixed = regime.fixed
         spec = WorkloadSpec(agents=agents, variant=variant, fixed=fixed, dynamic=dynamic, output=output,
@@ -305,7 +323,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    device_fraction=device_fraction, host_tokens=host_tokens,
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=lookahead, max_batch=max_batch,
-                                   console=console, meta=meta, regime=regime)
+                                   console=console, meta=meta, regime=regime,
+                                   torch_threads=_server_threads(server_threads))
         meta["command"] = command_line("workflow")
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"
@@ -527,6 +546,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         host_link_gbps: Optional[float] = typer.Option(None, help="Emulated host link (GB/s); default calibrated."),
         load_fraction: float = typer.Option(1 / 3, show_default="1/3", help="Calibration: load / recompute."),
         max_batch: int = typer.Option(16, min=1, help="Server max batch."),
+        server_threads: Optional[int] = typer.Option(
+            None, min=0, help="torch threads of each server (kvflow serve --torch-threads). Default: "
+                              "one fewer than the CPU cores (the client runs here too); 0: torch's "
+                              "default, every core."),
         aiperf_bin: Optional[str] = typer.Option(None, help="The aiperf executable (default: on PATH, else "
                                                             "<--aiperf-venv>/bin/aiperf)."),
         aiperf_venv: str = typer.Option(".venv-aiperf", help="AIPerf's own virtualenv (created when missing)."),
@@ -573,7 +596,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    device_fraction=device_fraction, host_tokens=host_tokens,
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=1, max_batch=max_batch,
-                                   console=console, meta=meta)
+                                   console=console, meta=meta, torch_threads=_server_threads(server_threads))
             title = (f"kvflow bench aiperf: cycle of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                      f"{workflows} session(s) x {rounds} round(s), {model}, hints: {hints}")
         else:
@@ -592,7 +615,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    device_fraction=device_fraction, host_tokens=host_tokens or max(8192, 2 * ctx),
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=1, max_batch=max_batch,
-                                   console=console, meta=meta, fixed_total=ctx)
+                                   console=console, meta=meta, fixed_total=ctx,
+                                   torch_threads=_server_threads(server_threads))
             title = (f"kvflow bench aiperf: AIPerf multi-turn, {conversations} conversations x {turns} turns, "
                      f"system {system_prompt} + {isl}/{output} tokens per turn, concurrency {workflows}, {model}")
         # (the work folder after sizing: a bad flag above leaves no temp folder behind)

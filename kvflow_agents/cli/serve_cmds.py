@@ -31,6 +31,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                        "spent). Use it to demonstrate prefetch/overlap on CPU. Default: real copy speed."),
         lookahead: int = typer.Option(1, min=0, help="Prefetch agents whose steps-to-execution <= this."),
         max_batch: int = typer.Option(16, min=1, help="Max concurrently running requests."),
+        torch_threads: Optional[int] = typer.Option(
+            None, min=1, help="torch intra-op threads (default: torch's, one per core). On a CPU "
+                              "shared with clients, leave them a core: an op split over every "
+                              "core stalls whenever one of them is busy elsewhere."),
         admission: Optional[str] = typer.Option(
             None, help="Order waiting requests are admitted in: fcfs (their arrival) or workflow "
                        "(the oldest workflow's call first). Default: the policy's (kvflow: "
@@ -140,7 +144,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         cfg = EngineConfig(model=model, model_path=model_path, device=device, policy=policy,
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
-                           admission=admission, lease_s=lease_s, default_max_tokens=max_tokens_default,
+                           torch_threads=torch_threads, admission=admission, lease_s=lease_s, default_max_tokens=max_tokens_default,
                            max_prefill_tokens=max_prefill_tokens, record_path=record,
                            max_prompt_tokens=max_prompt_tokens, client_cap=client_cap,
                            max_workflows=max_workflows, max_agents_per_workflow=max_agents_per_workflow,

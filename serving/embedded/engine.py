@@ -129,6 +129,8 @@ class Engine:
         cfg = dataclasses.replace(config or EngineConfig(), **overrides)
         cfg.validate()
         self.config = cfg
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
         t0 = time.perf_counter()
         self.model, self.tokenizer, self.model_config = loaded or load_model(
             cfg.model_path or cfg.model, cfg.device, cfg.dtype)

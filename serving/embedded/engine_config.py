@@ -33,6 +33,10 @@ class EngineConfig:
     host_link_gbps: Optional[float] = None  # emulated host link (GB/s); None = real copy speed
     lookahead: int = 1                    # prefetch agents with STE <= lookahead
     max_batch: int = 16
+    # torch intra-op threads (process-wide; None: torch's default, one per core). On a CPU the
+    # engine shares the cores with its HTTP front end and, in a benchmark, with the client:
+    # an op split over every core stalls whenever one of them is busy elsewhere.
+    torch_threads: Optional[int] = None
     max_inflight_loads: int = 4
     lease_s: float = 60.0
     max_prefill_tokens: int = 1024        # prompt tokens prefilled per scheduler step (chunked)
@@ -67,6 +71,8 @@ class EngineConfig:
             raise ValueError("host_link_gbps must be > 0")
         if self.max_batch < 1 or self.max_inflight_loads < 1:
             raise ValueError("max_batch and max_inflight_loads must be >= 1")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError("torch_threads must be >= 1 (or None: torch's default)")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be >= 1")
         if min(self.max_workflows, self.max_agents_per_workflow, self.max_hint_agents) < 1:

@@ -209,6 +209,8 @@ def test_cli_rejects_bad_flags():
     assert r.exit_code == 2 and "cannot hold one request" in r.output
     r = runner.invoke(app, ["bench", "peer", "--framework", "crewai"], env=env)
     assert r.exit_code == 2 and "langgraph or autogen" in r.output
+    r = runner.invoke(app, ["bench", "workflow", "--server-threads", "-1"], env=env)
+    assert r.exit_code == 2 and "--server-threads" in r.output
     r = runner.invoke(app, ["bench", "workflow", "--help"], env=env)
     assert r.exit_code == 0 and "--host-link-gbps" in r.output and "--device-fraction" in r.output
 
@@ -247,6 +249,10 @@ def test_small_real_run_through_the_cli(tmp_path):
         assert "--policy" in p["serve_argv"] and name in p["serve_argv"]
     lru, kv = doc["policies"]["lru"], doc["policies"]["kvflow"]
     assert lru["workload"]["host_hit_rate"] == 0 and lru["server"]["prefetch_issued"] == 0
+    # the servers leave the client a core (torch threads), calibration timed the same way
+    from kvflow_agents.bench.server import client_core_threads
+    assert doc["server"]["torch_threads"] == client_core_threads()
+    assert f"--torch-threads {client_core_threads()}" in " ".join(lru["serve_argv"])
     # identical server flags apart from --policy
     strip = lambda argv: [a for a in argv if a not in ("lru", "kvflow")]  # noqa: E731
     assert strip(lru["serve_argv"]) == strip(kv["serve_argv"])

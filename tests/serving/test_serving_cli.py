@@ -22,5 +22,7 @@ def test_serve_help_and_engine_choice():
     assert r.exit_code != 0 and "kvflow" in r.output
     r = runner.invoke(app, ["serve", "--admission", "lifo"], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "--admission" in r.output and "fcfs or workflow" in r.output
+    r = runner.invoke(app, ["serve", "--torch-threads", "0"], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "--torch-threads" in r.output
     r = runner.invoke(app, ["sim", "run", "--admission", "lifo"], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "--admission" in r.output and "fcfs, workflow" in r.output

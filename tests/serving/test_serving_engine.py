@@ -41,6 +41,22 @@ def test_engine_sync_and_async_api(tiny_model):
         assert report["workflows"][0]["agents"][0]["residency"] == "device"
 
 
+def test_engine_sets_torch_threads_when_asked(tiny_model):
+    import torch
+
+    from kvflow_agents.serving.embedded.engine import EngineConfig
+
+    before = torch.get_num_threads()
+    try:
+        with Engine(loaded=tiny_model, model="tiny-random", device_tokens=2048, torch_threads=1) as eng:
+            assert torch.get_num_threads() == 1
+            assert len(eng.generate("hello", max_tokens=2, ignore_eos=True).token_ids) == 2
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="torch_threads"):
+        EngineConfig(torch_threads=0).validate()
+
+
 @pytest.mark.parametrize("policy", ["lru", "hicache", "kvflow", "oracle"])
 def test_no_page_leaks_under_concurrent_mixed_load(tiny_model, policy):
     """Many concurrent agent requests in a pool that holds ~3 prefixes: everything finishes, the
