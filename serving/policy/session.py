@@ -239,11 +239,15 @@ class RequestSession:
                     # Sub-page boundary: tags are page-aligned, so the page holding the end of
                     # the fixed prompt (and a chat template's constant header of the next
                     # message) would stay untagged, go first and be recomputed every call.
-                    # Once the agent's recent prompts agree through that page, tag it too.
+                    # Tag it too while the agent's prompts agree through it; on its first
+                    # call, with nothing to compare, assume they will (the next call corrects
+                    # it: one page at stake, against recomputing it on the second call).
                     ps = book.page_size
                     up = -(-b // ps) * ps
-                    if up > b and book.infer_boundary(h.workflow, h.agent, self.tokens, app=h.app) >= up:
-                        b = up
+                    if up > b:
+                        first = book.prompts_seen(h.workflow, h.agent, app=h.app) == 0
+                        if book.infer_boundary(h.workflow, h.agent, self.tokens, app=h.app) >= up or first:
+                            b = up
                 if self.fixed_len is not None or b > 0:
                     book.tag_fixed_prefix(self.tokens, b, h.workflow, h.agent, app=h.app)
 

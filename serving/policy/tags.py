@@ -155,6 +155,10 @@ class TagBook:
         if self.client_cap_pages is not None:
             self._apply_client_cap(self.hints.client_of(tag[0]))
 
+    def prompts_seen(self, workflow: str, agent: str, app: str | None = None) -> int:
+        """Prompts of ``agent`` in its boundary history (at most ``infer_window``)."""
+        return len(self._history.get((workflow_key(workflow, app), agent), ()))
+
     def infer_boundary(self, workflow: str, agent: str, tokens: Sequence[int],
                        app: str | None = None) -> int:
         """No declared boundary: the page-aligned prefix this agent's last ``infer_window``

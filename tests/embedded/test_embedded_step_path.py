@@ -53,14 +53,18 @@ def test_streams_get_every_token_in_order_batched_per_step(tiny16):
 def test_fixed_prefix_tag_covers_the_page_holding_the_prompt_end(tiny16):
     """tiny-random: one byte = one token; ChatML puts 10 template tokens around the system
     message and 6 before the user text, so a 1010-byte system message ends at token 1020,
-    mid-page; the page 1008-1023 (its end + the user header) is the same on every call."""
-    with Engine(model="tiny-random", policy="kvflow", device_tokens=8192, page_size=16,
-                loaded=tiny16) as eng:
-        system = "x" * 1010
-        lens = []
-        for i in range(3):
-            h = Hints(workflow="w", agent="a", step=i, ste={"a": 0, "b": 1}, fixed_messages=1)
-            eng.chat(_msgs(system, f"call number {i} " * 3), hints=h, max_tokens=2)
-            lens.append(eng.call(lambda e: e.manager.fixed_prefix_len("w", "a")))
-    assert lens[0] == 1008          # first call: page-aligned down (nothing to compare with)
-    assert lens[1] == lens[2] == 1024   # from the second call on the tail page is tagged
+    mid-page; the page 1008-1023 (its end + the user header) is the same on every call, and
+    is tagged from the first call on. A 1002-byte one ends at 1012: that page also holds 6
+    user bytes, which differ between calls, so the second call takes the tag back to 1008."""
+    def tagged(system: str, user) -> list:
+        with Engine(model="tiny-random", policy="kvflow", device_tokens=8192, page_size=16,
+                    loaded=tiny16) as eng:
+            lens = []
+            for i in range(3):
+                h = Hints(workflow="w", agent="a", step=i, ste={"a": 0, "b": 1}, fixed_messages=1)
+                eng.chat(_msgs(system, user(i)), hints=h, max_tokens=2)
+                lens.append(eng.call(lambda e: e.manager.fixed_prefix_len("w", "a")))
+            return lens
+
+    assert tagged("x" * 1010, lambda i: f"call number {i} " * 3) == [1024, 1024, 1024]
+    assert tagged("x" * 1002, lambda i: f"{i}{i}{i}{i}{i}{i} and the rest") == [1024, 1008, 1008]
