@@ -237,6 +237,7 @@ class TieredStore(Evictor, Transfers):
             n.lock_ref += 1
             if n.lock_ref == 1 and n.state is DEVICE:
                 self.evictable -= len(n.device_pages)
+                self._ev_sync(n)
             n = n.parent
         return node
 
@@ -322,6 +323,7 @@ class TieredStore(Evictor, Transfers):
     # ================================================================ tree hooks
     def _on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         self.index.on_split(upper, lower)
+        self._ev_sync(lower)  # its pages are now split with upper (counted by _reindex below)
         if upper.state is LOADING and upper.load is not None:
             upper.load.nodes.append(upper)
         self._reindex(upper)
