@@ -21,8 +21,11 @@ It owns the model, the tokenizer, the paged KV pools (:class:`~.kv_pool.PagedKVP
 the policy core's ``KVTransferBackend``) and a :class:`~kvflow_agents.serving.policy.KVCacheManager`.
 
 Threading invariants:
-- exactly one engine thread does all torch work and is the only caller of the cache manager
-  (on 2 CPU cores a second compute/copy thread only slows decode down);
+- exactly one engine thread does all model work and is the only caller of the cache manager
+  (on 2 CPU cores a second compute thread only slows decode down); on CPU, host->device loads
+  are copied by the pool's one copy thread (a GPU's copy engine) when torch leaves a core free
+  (``torch_threads``), else inline, and a forward waits only for loads into the pages it reads
+  or writes (``pool.wait_loads``);
 - other threads talk to it through a command queue: :meth:`submit`, :meth:`abort`,
   :meth:`update_hints`, :meth:`call`; results come back through a per-request sink called on
   the engine thread (asyncio users get them via ``loop.call_soon_threadsafe``);
@@ -56,9 +59,9 @@ prompt + max_tokens are reserved at admission) → chunked prefill (``max_prefil
 step, reusing each request's cached device prefix) → one batched decode over all running
 requests whose prefill is done.
 
-With ``host_link_gbps`` the pool *emulates* a GPU's host link: a load's bytes are copied at once
-but its pages only become usable at ``start + bytes / (X GB/s)``; this costs no CPU and exists
-to demonstrate prefetch/overlap on machines without a GPU.
+With ``host_link_gbps`` the pool *emulates* a GPU's host link: a load's bytes are copied at real
+speed in the background but its pages only become usable at ``start + bytes / (X GB/s)``; this
+exists to demonstrate prefetch/overlap on machines without a GPU.
 
 Cache protocol per request: the policy core's session (``serving/policy/session.py``), as
 every engine drives it: ``manager.arrive`` when a request is added (its hints merged),

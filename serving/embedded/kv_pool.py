@@ -13,7 +13,8 @@ Page ids are handed out by the policy's allocators; this class never allocates.
 - ``start_load(host_pages, device_pages) -> ready_time``: copies host -> device in the
   background, as a GPU's copy engine would: on CUDA on a separate stream after the compute
   stream's current work, recorded with an event; on CPU on one copy thread (a FIFO, so loads
-  land in the order they were started) that the engine thread does not wait for. Before a
+  land in the order they were started) that the engine thread does not wait for, when torch
+  leaves a core free for it (else inline: ``copy_thread``). Before a
   forward reads or writes pages, call ``wait_loads(those pages)`` (CUDA: a GPU-side wait; CPU:
   blocks until the copies into them are done, normally long since); ``is_ready`` polls.
   With ``host_link_gbps`` the returned time is virtual: ``max(now, link free) + bytes / (X*1e9)``,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import time
 from typing import Callable, Sequence
 
@@ -43,7 +45,11 @@ class PagedKVPool:
     def __init__(self, config: LlamaConfig, *, device_pages: int, host_pages: int,
                  page_size: int = 16, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, host_link_gbps: float | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, copy_thread: bool | None = None) -> None:
+        """``copy_thread`` (CPU): copy loads in the background; None = when torch leaves a core
+        free (``torch.get_num_threads() < cpu_count``): with every core in torch's parallel
+        ops, a concurrent copy stalls them (see ``kvflow serve --torch-threads``), so loads
+        are then copied inline, on the caller's thread."""
         self.config = config
         self.page_size = page_size
         self.device = resolve_device(device)
@@ -62,6 +68,9 @@ class PagedKVPool:
         self._pending: list[tuple[object, frozenset[int]]] = []
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # CPU loads
+        if copy_thread is None:
+            copy_thread = torch.get_num_threads() < (os.cpu_count() or 1)
+        self.copy_thread = bool(copy_thread) and not self._cuda
         self.stats = {"backup_pages": 0, "load_pages": 0, "backup_s": 0.0, "load_s": 0.0}
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -122,6 +131,10 @@ class PagedKVPool:
             d = self._idx(device_pages, self.num_device_pages, self.device)
             self._cuda_load(h, d, frozenset(int(p) for p in device_pages))
             ready = start + nbytes / self.CUDA_EST_BYTES_PER_S
+        elif not self.copy_thread:
+            _check_pages(self.device_kv, device_pages, self.host_kv, host_pages)
+            self._timed_copy(device_pages, host_pages)
+            ready = start
         else:
             _check_pages(self.device_kv, device_pages, self.host_kv, host_pages)
             if self._copier is None:

@@ -6,8 +6,8 @@ eviction and prefetch decisions stay in pure Python and identical across engines
 Why runs and not a free list: the embedded engine's attention gathers a sequence's pages with
 ``index_select``; on a CPU, pages scattered over the pool make that gather 15-40 % slower than
 neighbouring ones (cache lines and TLB; measured on tiny-random, 8 x 1,090-token decode), and a
-LIFO free list scatters them as soon as the pool recycles (the ``oracle``'s pool never frees,
-which alone made it faster than kvflow at equal hit rates). So ``alloc(n)`` hands out the
+LIFO free list scatters them as soon as the pool recycles (the ``oracle``'s pool never frees:
+part of why it decoded faster than kvflow at equal hit rates). So ``alloc(n)`` hands out the
 smallest free run that holds all ``n`` pages (best fit keeps the long runs for long prefixes),
 ascending; only when no run is long enough does it piece them together from the longest runs
 (the fewest pieces). The host tier gets

@@ -107,7 +107,7 @@ def test_cpu_loads_run_on_a_copy_thread_in_order(tiny16):
     import threading
 
     _, _, cfg = tiny16
-    pool = make_pool(cfg, device_pages=8, host_pages=8)
+    pool = make_pool(cfg, device_pages=8, host_pages=8, copy_thread=True)
     for p in range(8):
         pool.host_kv[:, :, p] = float(p)
     gate = threading.Event()
@@ -126,6 +126,11 @@ def test_cpu_loads_run_on_a_copy_thread_in_order(tiny16):
     assert pool.is_ready() and pool._copier is None
     with pytest.raises(IndexError):             # bad ids fail at once, not on the copy thread
         pool.start_load([8], [0])
+    # with every core in torch's ops, loads are copied inline (a copy thread would stall them)
+    inline = make_pool(cfg, device_pages=8, host_pages=8, copy_thread=False)
+    inline.host_kv[:, :, 3] = 5.0
+    inline.start_load([3], [2])
+    assert inline._copier is None and inline.is_ready() and torch.all(inline.device_kv[:, :, 2] == 5.0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
