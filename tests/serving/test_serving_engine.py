@@ -57,6 +57,39 @@ def test_engine_sets_torch_threads_when_asked(tiny_model):
         EngineConfig(torch_threads=0).validate()
 
 
+def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model):
+    """With the pool copying loads on its own thread, a kvflow engine whose pool holds ~2 of 4
+    agent prompts (later calls read KV loaded from host in the background) writes exactly the
+    greedy tokens of an oracle that never evicts (deterministic mode). The pool's ordering and
+    waits are tested directly in tests/embedded/test_embedded_pool.py."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a core left free: the pool copies on its thread (auto)
+    try:
+        outs = {}
+        for policy in ("kvflow", "oracle"):
+            with Engine(loaded=tiny_model, model="tiny-random", policy=policy, device_tokens=512,
+                        host_tokens=4096, host_link_gbps=0.5, deterministic=True,
+                        deterministic_chunk=64) as eng:
+                assert eng.pool.copy_thread or policy == "oracle"
+                got = []
+                for step in range(12):
+                    a = AGENTS[step % len(AGENTS)]
+                    h = Hints(workflow="w", agent=a, step=step, ste=cycle_ste(a), fixed_messages=1)
+                    msgs = [{"role": "system", "content": system_prompt(a)},
+                            {"role": "user", "content": f"call {step}"}]
+                    got.append(eng.chat(msgs, hints=h, max_tokens=6, temperature=0,
+                                        ignore_eos=True).token_ids)
+                stats = eng.call(lambda e: (e.pool.stats["load_pages"], e.manager.metrics.prefetch_used))
+            outs[policy] = got
+            if policy == "kvflow":
+                assert stats[0] > 0 and stats[1] > 0, stats  # later calls read loaded KV
+        assert outs["kvflow"] == outs["oracle"]
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("policy", ["lru", "hicache", "kvflow", "oracle"])
 def test_no_page_leaks_under_concurrent_mixed_load(tiny_model, policy):
     """Many concurrent agent requests in a pool that holds ~3 prefixes: everything finishes, the
