@@ -115,6 +115,11 @@ def _emit(console, doc: dict, results, *, title: str, targets, json_path: Option
             console.print(f"[dim]plot written to {plot_path}[/]")
 
 
+_SERVER_THREADS_HELP = ("torch threads of each server (kvflow serve --torch-threads). Default: one "
+                        "fewer than the CPU cores (the client runs here too); 0: torch's default, "
+                        "every core.")
+
+
 def _server_threads(requested: Optional[int]) -> Optional[int]:
     """``--server-threads``: None = one core fewer than the machine's, 0 = torch's default."""
     from kvflow_agents.bench.server import client_core_threads
@@ -209,10 +214,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                             help="Calibration target: load time / recompute time."),
         lookahead: int = typer.Option(1, min=0, help="Server prefetch lookahead (STE)."),
         max_batch: int = typer.Option(16, min=1, help="Server max batch."),
-        server_threads: Optional[int] = typer.Option(
-            None, min=0, help="torch threads of each server (kvflow serve --torch-threads). Default: "
-                              "one fewer than the CPU cores (the client runs here too); 0: torch's "
-                              "default, every core."),
+        server_threads: Optional[int] = typer.Option(None, min=0, help=_SERVER_THREADS_HELP),
         base_url: Optional[str] = typer.Option(None, help="Measure this running server (…/v1) instead."),
         served_model: Optional[str] = typer.Option(None, help="Model name sent with --base-url."),
         api_key: Optional[str] = typer.Option(None, envvar="KVFLOW_API_KEY", help="API key for the server(s)."),
@@ -259,6 +261,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                      param_hint="--preset")
         _hint_mode(hints)
         pols = _policies(policies)
+        threads = _server_threads(server_threads)
         console = Console(stderr=json_out == "-")
         regime = None
         if preset is not None:
@@ -281,7 +284,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             regime = choose_fixed_for_ratio(model, _tc(model), target_ratio=target["ratio"], dynamic=dynamic,
                                             output=output, page_size=page_size,
                                             log=lambda t: console.print(f"[dim]{escape(t)}[/]"),
-                                            torch_threads=_server_threads(server_threads))
+                                            torch_threads=threads)
             console.print(regime.describe())
             fixed = regime.fixed
         spec = WorkloadSpec(agents=agents, variant=variant, fixed=fixed, dynamic=dynamic, output=output,
@@ -324,7 +327,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=lookahead, max_batch=max_batch,
                                    console=console, meta=meta, regime=regime,
-                                   torch_threads=_server_threads(server_threads))
+                                   torch_threads=threads)
         meta["command"] = command_line("workflow")
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"
@@ -546,10 +549,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         host_link_gbps: Optional[float] = typer.Option(None, help="Emulated host link (GB/s); default calibrated."),
         load_fraction: float = typer.Option(1 / 3, show_default="1/3", help="Calibration: load / recompute."),
         max_batch: int = typer.Option(16, min=1, help="Server max batch."),
-        server_threads: Optional[int] = typer.Option(
-            None, min=0, help="torch threads of each server (kvflow serve --torch-threads). Default: "
-                              "one fewer than the CPU cores (the client runs here too); 0: torch's "
-                              "default, every core."),
+        server_threads: Optional[int] = typer.Option(None, min=0, help=_SERVER_THREADS_HELP),
         aiperf_bin: Optional[str] = typer.Option(None, help="The aiperf executable (default: on PATH, else "
                                                             "<--aiperf-venv>/bin/aiperf)."),
         aiperf_venv: str = typer.Option(".venv-aiperf", help="AIPerf's own virtualenv (created when missing)."),
@@ -576,6 +576,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"choose one of {', '.join(ap.WORKLOADS)}", param_hint="--workload")
         _hint_mode(hints)
         pols = _policies(policies)
+        threads = _server_threads(server_threads)
         console = Console(stderr=json_out == "-")
         try:
             exe = ap.ensure_aiperf(aiperf_bin, aiperf_venv, install=install,
@@ -596,7 +597,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    device_fraction=device_fraction, host_tokens=host_tokens,
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=1, max_batch=max_batch,
-                                   console=console, meta=meta, torch_threads=_server_threads(server_threads))
+                                   console=console, meta=meta, torch_threads=threads)
             title = (f"kvflow bench aiperf: cycle of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                      f"{workflows} session(s) x {rounds} round(s), {model}, hints: {hints}")
         else:
@@ -616,7 +617,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=1, max_batch=max_batch,
                                    console=console, meta=meta, fixed_total=ctx,
-                                   torch_threads=_server_threads(server_threads))
+                                   torch_threads=threads)
             title = (f"kvflow bench aiperf: AIPerf multi-turn, {conversations} conversations x {turns} turns, "
                      f"system {system_prompt} + {isl}/{output} tokens per turn, concurrency {workflows}, {model}")
         # (the work folder after sizing: a bad flag above leaves no temp folder behind)

@@ -690,8 +690,9 @@ class Engine:
         seqs = [(r.output_ids[-1], r.pages, pos) for r, pos in zip(running, n0)]
         # CUDA: the stream waits for every load (free); CPU: only for pages this step writes
         # (each sequence's next slot; what it reads was waited for at its prefill)
-        self.pool.wait_loads(None if self._cuda else [r.pages[p // self.pool.page_size]
-                                                      for r, p in zip(running, n0)])
+        if self.pool.loading:
+            self.pool.wait_loads(None if self._cuda else [r.pages[p // self.pool.page_size]
+                                                          for r, p in zip(running, n0)])
         self.counters["decode_steps"] += 1
         try:
             picks = self.sampler.sample(self._decode_logits(seqs), running)

@@ -93,10 +93,13 @@ class PagedKVPool:
         return self._clock()
 
     def _idx(self, pages: Sequence[int], n: int, device) -> torch.Tensor:
-        t = torch.as_tensor(list(pages), dtype=torch.long)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
-            raise IndexError(f"page id out of range [0, {n})")
-        return t.to(device)
+        _check_ids(pages, n)
+        return torch.as_tensor(list(pages), dtype=torch.long).to(device)
+
+    @property
+    def loading(self) -> bool:
+        """A load is (or may still be) copying."""
+        return bool(self._pending)
 
     def backup_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         if len(device_pages) != len(host_pages):
@@ -110,7 +113,8 @@ class PagedKVPool:
             self.wait_loads(device_pages)
             self.host_kv.index_copy_(2, h, self.device_kv.index_select(2, d).cpu())  # .cpu() syncs
         else:
-            _check_pages(self.host_kv, host_pages, self.device_kv, device_pages)
+            _check_ids(host_pages, self.num_host_pages)
+            _check_ids(device_pages, self.num_device_pages)
             # a load still copying may read these host pages (freed since) or write these
             # device pages: let it land first (backups are rare once the pool is warm)
             self.synchronize()
@@ -131,17 +135,17 @@ class PagedKVPool:
             d = self._idx(device_pages, self.num_device_pages, self.device)
             self._cuda_load(h, d, frozenset(int(p) for p in device_pages))
             ready = start + nbytes / self.CUDA_EST_BYTES_PER_S
-        elif not self.copy_thread:
-            _check_pages(self.device_kv, device_pages, self.host_kv, host_pages)
-            self._timed_copy(device_pages, host_pages)
-            ready = start
         else:
-            _check_pages(self.device_kv, device_pages, self.host_kv, host_pages)
-            if self._copier is None:
-                self._copier = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="kvflow-kv-copy")
-            fut = self._copier.submit(self._timed_copy, list(device_pages), list(host_pages))
-            self._pending.append((fut, frozenset(int(p) for p in device_pages)))
+            _check_ids(host_pages, self.num_host_pages)  # here: a bad id fails the caller
+            _check_ids(device_pages, self.num_device_pages)
+            if not self.copy_thread:
+                self._timed_copy(device_pages, host_pages)
+            else:
+                if self._copier is None:
+                    self._copier = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="kvflow-kv-copy")
+                fut = self._copier.submit(self._timed_copy, list(device_pages), list(host_pages))
+                self._pending.append((fut, frozenset(int(p) for p in device_pages)))
             ready = start
         if self.host_link_gbps:
             begin = max(start, self._link_free_at)
@@ -152,7 +156,8 @@ class PagedKVPool:
             self.stats["load_s"] += time.perf_counter() - t0
         return ready
 
-    def _timed_copy(self, device_pages: list, host_pages: list) -> None:  # on the copy thread
+    def _timed_copy(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        """A CPU load (on the copy thread, or inline)."""
         t0 = time.perf_counter()
         try:
             _copy_pages(self.device_kv, device_pages, self.host_kv, host_pages)
@@ -248,11 +253,9 @@ def page_runs(dst_pages: Sequence[int], src_pages: Sequence[int]) -> list[tuple[
     return runs
 
 
-def _check_pages(dst: torch.Tensor, dst_pages: Sequence[int], src: torch.Tensor,
-                 src_pages: Sequence[int]) -> None:
-    nd, ns = dst.shape[2], src.shape[2]
-    if min(dst_pages) < 0 or max(dst_pages) >= nd or min(src_pages) < 0 or max(src_pages) >= ns:
-        raise IndexError(f"page id out of range (dst [0, {nd}), src [0, {ns}))")
+def _check_ids(pages: Sequence[int], n: int) -> None:
+    if pages and (min(pages) < 0 or max(pages) >= n):
+        raise IndexError(f"page id out of range [0, {n})")
 
 
 def _copy_pages(dst: torch.Tensor, dst_pages: Sequence[int], src: torch.Tensor,
