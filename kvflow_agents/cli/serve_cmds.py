@@ -35,6 +35,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             None, min=1, help="torch intra-op threads (default: torch's, one per core). On a CPU "
                               "shared with clients, leave them a core: an op split over every "
                               "core stalls whenever one of them is busy elsewhere."),
+        partial_eviction: bool = typer.Option(
+            False, help="Evict only the tail pages an allocation needs from the last victim, "
+                        "not whole radix nodes (keeps more cached, but scatters prefixes over "
+                        "the pool, which slows this engine's attention). Default: whole nodes, "
+                        "as SGLang."),
         admission: Optional[str] = typer.Option(
             None, help="Order waiting requests are admitted in: fcfs (their arrival) or workflow "
                        "(the oldest workflow's call first). Default: the policy's (kvflow: "
@@ -144,7 +149,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         cfg = EngineConfig(model=model, model_path=model_path, device=device, policy=policy,
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
-                           torch_threads=torch_threads, admission=admission, lease_s=lease_s,
+                           torch_threads=torch_threads, partial_eviction=partial_eviction,
+                           admission=admission, lease_s=lease_s,
                            default_max_tokens=max_tokens_default,
                            max_prefill_tokens=max_prefill_tokens, record_path=record,
                            max_prompt_tokens=max_prompt_tokens, client_cap=client_cap,
@@ -166,7 +172,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         typer.echo(f"  KV pools: device {device_tokens} tokens, host "
                    f"{host_tokens if eng.policy.host_tier else 0} tokens, page {page_size}; "
                    f"host link: {link}; lookahead {lookahead}; max batch {max_batch}; "
-                   f"admission {eng.manager.admission.order}")
+                   f"admission {eng.manager.admission.order}; eviction "
+                   f"{'partial nodes' if partial_eviction else 'whole nodes'}")
         typer.echo(f"  OpenAI base URL: {url}   (KVFlow: {url[:-3]}/kvflow/v1/cache, /metrics)"
                    + (f"   [API key required; {len(keys)} tenant(s)]" if keys else "")
                    + ("   [deterministic]" if deterministic else ""))

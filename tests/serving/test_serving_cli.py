@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from kvflow_agents.cli.main import app
@@ -26,3 +27,18 @@ def test_serve_help_and_engine_choice():
     assert r.exit_code == 2 and "--torch-threads" in r.output
     r = runner.invoke(app, ["sim", "run", "--admission", "lifo"], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "--admission" in r.output and "fcfs, workflow" in r.output
+
+
+@pytest.mark.parametrize("flag, partial", [(None, False), ("--partial-eviction", True)])
+def test_serve_evicts_whole_nodes_unless_asked(monkeypatch, flag, partial):
+    """``kvflow serve`` builds its engine with whole-node eviction (as SGLang); the flag turns
+    tail-only eviction on. The engine is the real one; only uvicorn's loop is replaced."""
+    import uvicorn
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("store", app.state.engine.manager.store))
+    args = ["serve", "--model", "tiny-random", "--device-tokens", "512"] + ([flag] if flag else [])
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert seen["store"].partial_eviction is partial
+    assert ("eviction partial nodes" if partial else "eviction whole nodes") in r.output

@@ -212,3 +212,44 @@ def test_engine_admits_in_the_policys_order(tiny_model, policy, admission, want)
         eng.start()
         wait_until(lambda: len(done) == 3, timeout=60)
     assert done == want
+
+
+def _prefix_page_runs(engine) -> list[int]:
+    """Page runs of each tagged prefix held whole on the device (engine thread)."""
+    from kvflow_agents.serving.embedded.kv_pool import page_runs
+
+    store, ps = engine.manager.store, engine.pool.page_size
+    out = []
+    for rec in engine.manager.tags.records.values():
+        path, _ = store.tree.match(rec.tokens)
+        pages = [p for n in path if n.device_pages for p in n.device_pages]
+        if len(pages) >= len(rec.tokens) // ps:
+            out.append(len(page_runs(pages, pages)))
+    return out
+
+
+def test_whole_node_eviction_keeps_prefixes_in_fewer_page_runs(tiny_model):
+    """Three workflows of the 4-agent cycle take turns in a pool that holds about three agent
+    prompts. Evicting only the tail a load needs (``partial_eviction``) brings prefixes back in
+    pieces; the default, whole nodes as SGLang evicts, keeps each in fewer page runs (what the
+    CPU attention's page gather pays for), with the same requests served."""
+    runs = {}
+    for partial in (True, False):
+        with Engine(loaded=tiny_model, model="tiny-random", policy="kvflow", device_tokens=640,
+                    host_tokens=8192, partial_eviction=partial) as eng:
+            assert eng.manager.store.partial_eviction is partial
+            seen = []
+            for step in range(24):
+                for wf in ("w1", "w2", "w3"):
+                    a = AGENTS[step % len(AGENTS)]
+                    h = Hints(workflow=wf, agent=a, step=step, ste=cycle_ste(a), fixed_messages=1)
+                    msgs = [{"role": "system", "content": f"{wf} " + system_prompt(a)},
+                            {"role": "user", "content": f"{chr(97 + step % 26)}: call {step}"}]
+                    out = eng.chat(msgs, hints=h, max_tokens=20, temperature=0, ignore_eos=True)
+                    assert len(out.token_ids) == 20
+                    seen += eng.call(_prefix_page_runs)
+            runs[partial] = seen
+    assert runs[True] and runs[False]
+    mean = {k: sum(v) / len(v) for k, v in runs.items()}
+    assert mean[False] < mean[True], mean
+    assert max(runs[False]) <= 3, runs[False]  # a prefix and at most a partly prefetched head
