@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -129,6 +129,16 @@ def _server_threads(requested: Optional[int]) -> Optional[int]:
     return requested or None
 
 
+def _server_flags(flags: Optional[List[str]]) -> tuple:
+    """``--server-flag`` values: each a ``kvflow serve`` option (``--name`` or ``--name=value``)."""
+    flags = tuple(flags or ())
+    bad = [f for f in flags if not f.startswith("--")]
+    if bad:
+        raise typer.BadParameter(f"{bad[0]!r} is not a kvflow serve option (--name or --name=value)",
+                                 param_hint="--server-flag")
+    return flags
+
+
 def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[int], device_fraction: float,
                   host_tokens: Optional[int], page_size: int, host_link_gbps: Optional[float],
                   load_fraction: float, lookahead: int, max_batch: int, console, meta: dict, regime=None,
@@ -215,6 +225,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         lookahead: int = typer.Option(1, min=0, help="Server prefetch lookahead (STE)."),
         max_batch: int = typer.Option(16, min=1, help="Server max batch."),
         server_threads: Optional[int] = typer.Option(None, min=0, help=_SERVER_THREADS_HELP),
+        server_flag: Optional[List[str]] = typer.Option(
+            None, help="Pass this flag to every embedded server (repeatable; e.g. "
+                       "--server-flag=--partial-eviction): compare an engine setting run "
+                       "against run."),
         base_url: Optional[str] = typer.Option(None, help="Measure this running server (…/v1) instead."),
         served_model: Optional[str] = typer.Option(None, help="Model name sent with --base-url."),
         api_key: Optional[str] = typer.Option(None, envvar="KVFLOW_API_KEY", help="API key for the server(s)."),
@@ -328,6 +342,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    load_fraction=load_fraction, lookahead=lookahead, max_batch=max_batch,
                                    console=console, meta=meta, regime=regime,
                                    torch_threads=threads)
+            server.extra_args = _server_flags(server_flag)
+            meta["server"]["extra_args"] = list(server.extra_args)
         meta["command"] = command_line("workflow")
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"
