@@ -227,7 +227,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         server_threads: Optional[int] = typer.Option(None, min=0, help=_SERVER_THREADS_HELP),
         server_flag: Optional[List[str]] = typer.Option(
             None, help="Pass this flag to every embedded server (repeatable; e.g. "
-                       "--server-flag=--partial-eviction): compare an engine setting run "
+                       "--server-flag=--whole-node-eviction): compare an engine setting run "
                        "against run."),
         base_url: Optional[str] = typer.Option(None, help="Measure this running server (…/v1) instead."),
         served_model: Optional[str] = typer.Option(None, help="Model name sent with --base-url."),

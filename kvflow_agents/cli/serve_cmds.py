@@ -36,10 +36,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                               "shared with clients, leave them a core: an op split over every "
                               "core stalls whenever one of them is busy elsewhere."),
         partial_eviction: bool = typer.Option(
-            False, help="Evict only the tail pages an allocation needs from the last victim, "
-                        "not whole radix nodes (keeps more cached, but scatters prefixes over "
-                        "the pool, which slows this engine's attention). Default: whole nodes, "
-                        "as SGLang."),
+            True, "--partial-eviction/--whole-node-eviction",
+            help="Evict only the tail pages an allocation needs from the last victim (its head "
+                 "stays cached), or whole radix nodes as SGLang does (keeps each prefix in fewer "
+                 "page runs, which this engine's attention reads faster; evicts more)."),
         admission: Optional[str] = typer.Option(
             None, help="Order waiting requests are admitted in: fcfs (their arrival) or workflow "
                        "(the oldest workflow's call first). Default: the policy's (kvflow: "

@@ -37,14 +37,14 @@ class EngineConfig:
     # engine shares the cores with its HTTP front end and, in a benchmark, with the client:
     # an op split over every core stalls whenever one of them is busy elsewhere.
     torch_threads: Optional[int] = None
-    # Evict only the tail pages an allocation needs from the last victim (splitting its node)
-    # instead of whole nodes. Off by default, as SGLang evicts: split-off tails come back into
-    # whatever holes are free, so prefixes end up in many pieces, and this engine's attention
-    # gathers a sequence's pages (8 concurrent workflows, side by side: 19 page runs per
-    # sequence instead of 3.6, a decode step 9 % and a prefill chunk 8 % slower). It keeps
-    # more cached when the pool is tight (PEER on LangGraph at 80 %: less exposed load). The
-    # simulator keeps it on: a GPU kernel reads pages wherever they are.
-    partial_eviction: bool = False
+    # Evict only the tail pages an allocation needs from the last victim (splitting its node;
+    # the head stays cached), or whole nodes (False, as SGLang evicts). A trade-off on this
+    # engine, measured side by side (bench/RESULTS.md 6.10): tails reloaded into whatever holes
+    # are free scatter prefixes (8 concurrent workflows: 19 page runs per sequence instead of
+    # 3.6, decode steps 9 % slower, since the CPU attention gathers pages), but in a tight pool
+    # whole nodes throw away more of what is cached (32 workflows at 10 %: 1.14x hicache vs
+    # 1.26x; PEER on LangGraph at 80 %: more exposed load). Partial by default.
+    partial_eviction: bool = True
     max_inflight_loads: int = 4
     lease_s: float = 60.0
     max_prefill_tokens: int = 1024        # prompt tokens prefilled per scheduler step (chunked)

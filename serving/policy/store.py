@@ -101,9 +101,9 @@ class TieredStore(Evictor, Transfers):
         self.device = PagePool(device_pages, name="device", growable=not policy.evicts)
         self.host = PagePool(host_pages if policy.host_tier else 0, name="host")
         # Evict only as many tail pages of the last victim as needed (splitting it) rather
-        # than the whole node: the head keeps serving as a prefix. Same for every policy. The
-        # embedded engine turns it off (EngineConfig.partial_eviction: reloaded tails scatter
-        # a prefix's pages, which its CPU attention pays for); SGLang evicts whole nodes.
+        # than the whole node: the head keeps serving as a prefix. Same for every policy.
+        # (SGLang evicts whole nodes; so can the embedded engine, whose CPU attention reads a
+        # prefix faster in fewer page runs: EngineConfig.partial_eviction.)
         self.partial_eviction = partial_eviction
         self.clock = 0                       # logical LRU clock
         self.evictable = 0                   # pages in unlocked DEVICE nodes

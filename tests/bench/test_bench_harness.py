@@ -224,7 +224,7 @@ def test_small_real_run_through_the_cli(tmp_path):
         "bench", "workflow", "--agents", "4", "--fixed", "256", "--dynamic", "32", "--output", "8",
         "--rounds", "2", "--trials", "1", "--policies", "lru,kvflow", "--model", "tiny-random",
         "--device-tokens", "1024", "--json", str(out), "--plot", str(png), "--no-progress",
-        "--server-flag=--partial-eviction"], env={"COLUMNS": "80"})
+        "--server-flag=--whole-node-eviction"], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     assert "speedup vs lru" in r.output and "GB/s" in r.output
     # readable in an 80-column terminal: nothing wider, no cell cut short
@@ -256,8 +256,8 @@ def test_small_real_run_through_the_cli(tmp_path):
     assert doc["server"]["torch_threads"] == client_core_threads()
     assert f"--torch-threads {client_core_threads()}" in " ".join(lru["serve_argv"])
     # --server-flag reaches every server (they started with it)
-    assert doc["server"]["extra_args"] == ["--partial-eviction"]
-    assert all(p["serve_argv"][-1] == "--partial-eviction" for p in doc["policies"].values())
+    assert doc["server"]["extra_args"] == ["--whole-node-eviction"]
+    assert all(p["serve_argv"][-1] == "--whole-node-eviction" for p in doc["policies"].values())
     # identical server flags apart from --policy
     strip = lambda argv: [a for a in argv if a not in ("lru", "kvflow")]  # noqa: E731
     assert strip(lru["serve_argv"]) == strip(kv["serve_argv"])

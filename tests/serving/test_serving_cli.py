@@ -29,15 +29,15 @@ def test_serve_help_and_engine_choice():
     assert r.exit_code == 2 and "--admission" in r.output and "fcfs, workflow" in r.output
 
 
-@pytest.mark.parametrize("flag, partial", [(None, False), ("--partial-eviction", True)])
-def test_serve_evicts_whole_nodes_unless_asked(monkeypatch, flag, partial):
-    """``kvflow serve`` builds its engine with whole-node eviction (as SGLang); the flag turns
-    tail-only eviction on. The engine is the real one; only uvicorn's loop is replaced."""
+@pytest.mark.parametrize("flags, partial", [([], True), (["--whole-node-eviction"], False)])
+def test_serve_eviction_flag_reaches_the_store(monkeypatch, flags, partial):
+    """``kvflow serve`` builds its engine's store with partial eviction unless told to evict
+    whole nodes. The engine is the real one; only uvicorn's loop is replaced."""
     import uvicorn
 
     seen = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("store", app.state.engine.manager.store))
-    args = ["serve", "--model", "tiny-random", "--device-tokens", "512"] + ([flag] if flag else [])
+    args = ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags
     r = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert seen["store"].partial_eviction is partial
