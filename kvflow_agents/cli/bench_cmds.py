@@ -276,6 +276,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         _hint_mode(hints)
         pols = _policies(policies)
         threads = _server_threads(server_threads)
+        extra_args = _server_flags(server_flag)
         console = Console(stderr=json_out == "-")
         regime = None
         if preset is not None:
@@ -320,6 +321,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         if regime is not None:
             meta["preset"] = {"name": "paper", "target": target, "calibration": regime.as_dict()}
         server = None
+        if extra_args and (base_url or engine == "sglang"):
+            raise typer.BadParameter("passes options to the embedded servers this command starts; "
+                                     "not with --base-url or --engine sglang", param_hint="--server-flag")
         if base_url:
             console.print(f"measuring the running server at {base_url} (one column, 'external')")
         elif engine == "sglang":
@@ -342,8 +346,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    load_fraction=load_fraction, lookahead=lookahead, max_batch=max_batch,
                                    console=console, meta=meta, regime=regime,
                                    torch_threads=threads)
-            server.extra_args = _server_flags(server_flag)
-            meta["server"]["extra_args"] = list(server.extra_args)
+            server.extra_args = extra_args
+            meta["server"]["extra_args"] = list(extra_args)
         meta["command"] = command_line("workflow")
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"

@@ -23,7 +23,9 @@ Invariants:
 
 Cost: ``alloc`` is O(runs) (one scan for the best fit; O(runs log runs) when it must piece
 runs together); ``free`` O(k log k + runs) for k ids.
-Runs stay few: ids come back in whole nodes, which are runs themselves.
+Runs stay few while ids come back in whole nodes, which are runs themselves; partial eviction
+(the store's default) returns a node's tail and reloads it elsewhere later, which is how a
+prefix still ends up in pieces (bench/RESULTS.md 6.10).
 """
 
 from __future__ import annotations

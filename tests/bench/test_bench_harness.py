@@ -213,6 +213,9 @@ def test_cli_rejects_bad_flags():
     assert r.exit_code == 2 and "--server-threads" in r.output
     r = runner.invoke(app, ["bench", "workflow", "--server-flag", "partial-eviction"], env=env)
     assert r.exit_code == 2 and "--server-flag" in r.output and "not a kvflow serve option" in r.output
+    r = runner.invoke(app, ["bench", "workflow", "--server-flag=--whole-node-eviction",
+                            "--base-url", "http://127.0.0.1:9/v1"], env=env)
+    assert r.exit_code == 2 and "--server-flag" in r.output and "--base-url" in r.output
     r = runner.invoke(app, ["bench", "workflow", "--help"], env=env)
     assert r.exit_code == 0 and "--host-link-gbps" in r.output and "--device-fraction" in r.output
 
