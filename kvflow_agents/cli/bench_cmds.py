@@ -143,7 +143,7 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
                   host_tokens: Optional[int], page_size: int, host_link_gbps: Optional[float],
                   load_fraction: float, lookahead: int, max_batch: int, console, meta: dict, regime=None,
                   fixed_total: Optional[int] = None, calib_fixed: Optional[int] = None,
-                  torch_threads: Optional[int] = None):
+                  torch_threads: Optional[int] = None, extra_args: tuple = ()):
     """The servers' pools and link for a synthetic workload (``meta`` gets them): device pool
     ``device_fraction`` of the fixed prompts (at least one request), host 2x the working set,
     link calibrated so a load costs ``load_fraction`` of a recompute."""
@@ -181,10 +181,10 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
     meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host,
                       "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
                       "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total,
-                      "torch_threads": torch_threads}
+                      "torch_threads": torch_threads, "extra_args": list(extra_args)}
     return ServerConfig(model=model, device_tokens=dev, host_tokens=host, page_size=page_size,
                         host_link_gbps=link, lookahead=lookahead, max_batch=max_batch,
-                        torch_threads=torch_threads)
+                        torch_threads=torch_threads, extra_args=extra_args)
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -345,9 +345,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=lookahead, max_batch=max_batch,
                                    console=console, meta=meta, regime=regime,
-                                   torch_threads=threads)
-            server.extra_args = extra_args
-            meta["server"]["extra_args"] = list(extra_args)
+                                   torch_threads=threads, extra_args=extra_args)
         meta["command"] = command_line("workflow")
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"
