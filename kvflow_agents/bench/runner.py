@@ -19,7 +19,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from statistics import mean, median
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .server import BenchServer, serve_args
 from .workload import (CallRecord, TokenCounter, WorkflowDriver, WorkloadResult, WorkloadSpec,
@@ -45,13 +45,17 @@ class ServerConfig:
     torch_threads: Optional[int] = None  # None: the server's default (torch's)
     extra_args: Sequence[str] = ()
     startup_timeout_s: float = 300.0
+    # column label -> (policy, its own extra serve options): one policy served twice, e.g. with
+    # and without an engine setting, measured side by side (``bench workflow --policy-variant``)
+    variants: Mapping[str, tuple] = field(default_factory=dict)
 
     def args(self, policy: str) -> list[str]:
+        policy, own = self.variants.get(policy, (policy, ()))
         return serve_args(model=self.model, policy=policy, device_tokens=self.device_tokens,
                           host_tokens=self.host_tokens, page_size=self.page_size,
                           host_link_gbps=self.host_link_gbps, lookahead=self.lookahead,
                           max_batch=self.max_batch, torch_threads=self.torch_threads,
-                          extra=self.extra_args)
+                          extra=(*self.extra_args, *own))
 
     # Another engine's config (bench/sglang_engine.py) overrides these three.
     def make_server(self, policy: str) -> BenchServer:

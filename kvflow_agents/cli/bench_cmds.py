@@ -139,11 +139,47 @@ def _server_flags(flags: Optional[List[str]]) -> tuple:
     return flags
 
 
+def _policy_variants(texts: Optional[List[str]], pols: list) -> tuple[list, dict]:
+    """``--policy-variant LABEL=POLICY [--serve-option ...]`` values -> (the columns to run,
+    ``{label: (policy, flags)}``). A variant's column follows its policy's when that runs."""
+    import shlex
+
+    from kvflow_agents.bench.runner import POLICIES
+
+    variants: dict = {}
+    for text in texts or ():
+        label, sep, rest = text.partition("=")
+        label = label.strip()
+        words = shlex.split(rest)
+        if not sep or not label or not words:
+            raise typer.BadParameter(f"{text!r}: expected LABEL=POLICY [--serve-option ...]",
+                                     param_hint="--policy-variant")
+        if label in POLICIES or label in variants or not label.replace("-", "").replace("_", "").isalnum():
+            raise typer.BadParameter(f"{label!r}: a variant needs a new name (letters, digits, - or _)",
+                                     param_hint="--policy-variant")
+        if words[0] not in POLICIES:
+            raise typer.BadParameter(f"{words[0]!r} is not a policy ({', '.join(POLICIES)})",
+                                     param_hint="--policy-variant")
+        # options as --name, --name=value or --name value (a bare word only after an option)
+        bad = [w for i, w in enumerate(words[1:]) if not w.startswith("--")
+               and (i == 0 or not words[i].startswith("--"))]
+        if bad:
+            raise typer.BadParameter(f"{bad[0]!r} is not a kvflow serve option (--name or --name=value)",
+                                     param_hint="--policy-variant")
+        variants[label] = (words[0], tuple(words[1:]))
+    cols = list(pols)
+    for label, (policy, _) in variants.items():
+        after = max((i for i, c in enumerate(cols) if c == policy or variants.get(c, ("",))[0] == policy),
+                    default=len(cols) - 1)
+        cols.insert(after + 1, label)
+    return cols, variants
+
+
 def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[int], device_fraction: float,
                   host_tokens: Optional[int], page_size: int, host_link_gbps: Optional[float],
                   load_fraction: float, lookahead: int, max_batch: int, console, meta: dict, regime=None,
                   fixed_total: Optional[int] = None, calib_fixed: Optional[int] = None,
-                  torch_threads: Optional[int] = None, extra_args: tuple = ()):
+                  torch_threads: Optional[int] = None, extra_args: tuple = (), variants=None):
     """The servers' pools and link for a synthetic workload (``meta`` gets them): device pool
     ``device_fraction`` of the fixed prompts (at least one request), host 2x the working set,
     link calibrated so a load costs ``load_fraction`` of a recompute."""
@@ -160,7 +196,8 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
     ws = fixed_total + spec.workflows * spec.calls_per_round * (spec.dynamic + spec.output + 32)
     host = host_tokens if host_tokens is not None else max(8192, _round_page(2 * ws, page_size))
     link = host_link_gbps
-    if link is None and any(p in ("hicache", "kvflow") for p in pols):
+    variants = dict(variants or {})
+    if link is None and any(variants.get(p, (p,))[0] in ("hicache", "kvflow") for p in pols):
         from kvflow_agents.bench.calibrate import calibrate_link
 
         console.print(f"[dim]calibrating the emulated host link on {model} …[/]")
@@ -181,10 +218,11 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
     meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host,
                       "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
                       "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total,
-                      "torch_threads": torch_threads, "extra_args": list(extra_args)}
+                      "torch_threads": torch_threads, "extra_args": list(extra_args),
+                      "variants": {k: [p, list(f)] for k, (p, f) in variants.items()}}
     return ServerConfig(model=model, device_tokens=dev, host_tokens=host, page_size=page_size,
                         host_link_gbps=link, lookahead=lookahead, max_batch=max_batch,
-                        torch_threads=torch_threads, extra_args=extra_args)
+                        torch_threads=torch_threads, extra_args=extra_args, variants=variants)
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -229,6 +267,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             None, help="Pass this flag to every embedded server (repeatable; e.g. "
                        "--server-flag=--whole-node-eviction): compare an engine setting run "
                        "against run."),
+        policy_variant: Optional[List[str]] = typer.Option(
+            None, help="LABEL=POLICY [--serve-option ...]: one more server, running POLICY with "
+                       "these kvflow serve options, measured as its own column beside the others "
+                       "(repeatable; e.g. 'kvflow-whole=kvflow --whole-node-eviction')."),
         base_url: Optional[str] = typer.Option(None, help="Measure this running server (…/v1) instead."),
         served_model: Optional[str] = typer.Option(None, help="Model name sent with --base-url."),
         api_key: Optional[str] = typer.Option(None, envvar="KVFLOW_API_KEY", help="API key for the server(s)."),
@@ -277,6 +319,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         pols = _policies(policies)
         threads = _server_threads(server_threads)
         extra_args = _server_flags(server_flag)
+        pols, variants = _policy_variants(policy_variant, pols)
         console = Console(stderr=json_out == "-")
         regime = None
         if preset is not None:
@@ -321,9 +364,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         if regime is not None:
             meta["preset"] = {"name": "paper", "target": target, "calibration": regime.as_dict()}
         server = None
-        if extra_args and (base_url or engine == "sglang"):
-            raise typer.BadParameter("passes options to the embedded servers this command starts; "
-                                     "not with --base-url or --engine sglang", param_hint="--server-flag")
+        for given, hint in ((extra_args, "--server-flag"), (variants, "--policy-variant")):
+            if given and (base_url or engine == "sglang"):
+                raise typer.BadParameter("passes options to the embedded servers this command starts; "
+                                         "not with --base-url or --engine sglang", param_hint=hint)
         if base_url:
             console.print(f"measuring the running server at {base_url} (one column, 'external')")
         elif engine == "sglang":
@@ -345,7 +389,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=lookahead, max_batch=max_batch,
                                    console=console, meta=meta, regime=regime,
-                                   torch_threads=threads, extra_args=extra_args)
+                                   torch_threads=threads, extra_args=extra_args, variants=variants)
         meta["command"] = command_line("workflow")
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"
@@ -471,72 +515,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                                         progress=hook, keep_raw=raw, log=log),
             console, meta, title=title, targets=report.PEER_TARGETS if not base_url else (),
             progress=progress, raw=raw, json_out=json_out, plot_out=plot_out, wide=wide)
-
-    @bench_app.command("engine")
-    def engine_cmd(
-        model: str = typer.Option("tiny-random", help="Model preset of the in-process engines."),
-        policies: str = typer.Option(_DEFAULT_POLICIES, help="Comma-separated: lru,hicache,kvflow,oracle."),
-        batch: str = typer.Option("1,8,32", help="Batch sizes (comma-separated): requests decoding at once."),
-        context: int = typer.Option(1024, min=16, help="Fixed system prompt per request (tokens)."),
-        steps: int = typer.Option(64, min=8, help="Decode steps per request."),
-        sink: str = typer.Option("asyncio", help="asyncio: stream every token to an event loop as "
-                                                 "`kvflow serve` does; direct: no-op sinks."),
-        cprofile: bool = typer.Option(False, help="Also cProfile the engine thread; print the top functions."),
-        json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here ('-': stdout only)."),
-        plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
-        markdown: bool = typer.Option(False, help="Print the table as Markdown (every column)."),
-    ) -> None:
-        """Where a decode step goes: model forward vs the rest (cache, scheduler, sampling,
-        detokenise, sinks, engine loop), per policy and batch size, in-process."""
-        from rich.console import Console
-
-        from kvflow_agents.bench import engine_step
-
-        pols = _policies(policies)
-        try:
-            batches = sorted({int(x) for x in batch.split(",") if x.strip()})
-        except ValueError:
-            raise typer.BadParameter("expected comma-separated integers", param_hint="--batch") from None
-        if not batches or min(batches) < 1 or max(batches) > 256:
-            raise typer.BadParameter("batch sizes must be in [1, 256]", param_hint="--batch")
-        if sink not in engine_step.SINKS:
-            raise typer.BadParameter(f"choose one of {', '.join(engine_step.SINKS)}", param_hint="--sink")
-        console = Console(stderr=json_out == "-")
-        with console.status("measuring …") as status:
-            res = engine_step.run_engine_bench(
-                model=model, policies=pols, batches=batches, context=context, steps=steps,
-                cprofile=cprofile, sink_mode=sink,
-                progress=lambda s: status.update(f"measuring {s} …") if json_out != "-" else None)
-        summ = engine_step.summary(res)
-        doc = {"bench": "engine", "model": model, "context": context, "steps": steps, "sink": sink,
-               "command": command_line("engine"),
-               "results": [r.as_dict() for r in res], "summary": summ}
-        title = (f"kvflow bench engine: {model}, {context}-token prompts, ms per decode step "
-                 f"(median), sinks: {sink}")
-        if json_out == "-":
-            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-        else:
-            if markdown:
-                console.print(engine_step.markdown(res), highlight=False, soft_wrap=True)
-            else:
-                console.print(engine_step.render_table(res, title))
-            if "met" in summ:
-                worst = summ["batch1_rest_max_ms"]
-                console.print(f"target: rest <= {summ['rest_target_ms']} ms per step at batch 1 under every "
-                              f"policy: worst {worst:.3f} ms (spread {summ['batch1_rest_spread_ms']:.3f}) -> "
-                              + ("[green]met[/]" if summ["met"] else "[red]MISSED[/]"))
-            if cprofile:
-                for r in res:
-                    console.print(f"[bold]{r.policy} batch {r.batch}[/]: top functions (ms per step, calls)")
-                    for name, ms, calls in r.profile_top:
-                        console.print(f"  {ms:8.3f} {calls:8.1f}  {escape(name)}", highlight=False)
-            if json_out:
-                from kvflow_agents.bench import report
-
-                report.write_json(doc, json_out)
-                console.print(f"[dim]JSON written to {json_out}[/]")
-        if plot_out:
-            engine_step.plot(res, plot_out, title)
 
     @bench_app.command("aiperf")
     def aiperf_cmd(

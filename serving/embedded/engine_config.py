@@ -45,6 +45,9 @@ class EngineConfig:
     # whole nodes throw away more of what is cached (32 workflows at 10 %: 1.14x hicache vs
     # 1.26x; PEER on LangGraph at 80 %: more exposed load). Partial by default.
     partial_eviction: bool = True
+    # With partial eviction, a victim loses at least this many pages (all of them when it has
+    # fewer), so what is reloaded later comes back in longer runs. 1: only what is needed.
+    min_evict_pages: int = 1
     max_inflight_loads: int = 4
     lease_s: float = 60.0
     max_prefill_tokens: int = 1024        # prompt tokens prefilled per scheduler step (chunked)
@@ -79,6 +82,8 @@ class EngineConfig:
             raise ValueError("host_link_gbps must be > 0")
         if self.max_batch < 1 or self.max_inflight_loads < 1:
             raise ValueError("max_batch and max_inflight_loads must be >= 1")
+        if self.min_evict_pages < 1:
+            raise ValueError("min_evict_pages must be >= 1")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1 (or None: torch's default)")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

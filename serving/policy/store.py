@@ -89,7 +89,8 @@ class TieredStore(Evictor, Transfers):
 
     def __init__(self, policy: CachePolicy, *, page_size: int, device_pages: int, host_pages: int,
                  backend: KVTransferBackend, book: TagBook, loads: LoadTracker,
-                 metrics: CacheMetrics, partial_eviction: bool = True) -> None:
+                 metrics: CacheMetrics, partial_eviction: bool = True,
+                 min_evict_pages: int = 1) -> None:
         self.policy = policy
         self.page_size = page_size
         self.backend = backend
@@ -105,6 +106,11 @@ class TieredStore(Evictor, Transfers):
         # (SGLang evicts whole nodes; so can the embedded engine, whose CPU attention reads a
         # prefix faster in fewer page runs: EngineConfig.partial_eviction.)
         self.partial_eviction = partial_eviction
+        # ... but at least this many pages (the whole victim when it has fewer): a tail reloaded
+        # later comes back as one longer run instead of many short ones.
+        if min_evict_pages < 1:
+            raise ValueError("min_evict_pages must be >= 1")
+        self.min_evict_pages = min_evict_pages
         self.clock = 0                       # logical LRU clock
         self.evictable = 0                   # pages in unlocked DEVICE nodes
         # Optional observer, called as on_evict(node, tier, priority, reason) before a node

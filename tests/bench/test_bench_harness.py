@@ -216,18 +216,27 @@ def test_cli_rejects_bad_flags():
     r = runner.invoke(app, ["bench", "workflow", "--server-flag=--whole-node-eviction",
                             "--base-url", "http://127.0.0.1:9/v1"], env=env)
     assert r.exit_code == 2 and "--server-flag" in r.output and "--base-url" in r.output
+    for bad, why in (("kvflow-m8", "LABEL=POLICY"), ("kvflow=kvflow", "new name"), ("a b=kvflow", "new name"),
+                     ("m8=fifo", "not a policy"), ("m8=kvflow min-evict-pages", "not a kvflow serve option")):
+        r = runner.invoke(app, ["bench", "workflow", "--policy-variant", bad], env=env)
+        assert r.exit_code == 2 and "--policy-variant" in r.output and why in r.output, (bad, r.output)
+    r = runner.invoke(app, ["bench", "workflow", "--policy-variant", "w=kvflow --whole-node-eviction",
+                            "--base-url", "http://127.0.0.1:9/v1"], env=env)
+    assert r.exit_code == 2 and "--policy-variant" in r.output and "--base-url" in r.output
     r = runner.invoke(app, ["bench", "workflow", "--help"], env=env)
     assert r.exit_code == 0 and "--host-link-gbps" in r.output and "--device-fraction" in r.output
 
 
 def test_small_real_run_through_the_cli(tmp_path):
-    """tiny-random, 4 agents, fixed 256, 2 rounds, lru vs kvflow, calibrated link: JSON + PNG."""
+    """tiny-random, 4 agents, fixed 256, 2 rounds, lru vs kvflow and a variant of kvflow, calibrated
+    link: JSON + PNG."""
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     r = CliRunner().invoke(app, [
         "bench", "workflow", "--agents", "4", "--fixed", "256", "--dynamic", "32", "--output", "8",
         "--rounds", "2", "--trials", "1", "--policies", "lru,kvflow", "--model", "tiny-random",
         "--device-tokens", "1024", "--json", str(out), "--plot", str(png), "--no-progress",
-        "--server-flag=--whole-node-eviction"], env={"COLUMNS": "80"})
+        "--server-flag=--whole-node-eviction", "--policy-variant", "kvflow-m8=kvflow --min-evict-pages 8"],
+        env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     assert "speedup vs lru" in r.output and "GB/s" in r.output
     # readable in an 80-column terminal: nothing wider, no cell cut short
@@ -239,7 +248,7 @@ def test_small_real_run_through_the_cli(tmp_path):
     cal = doc["calibration"]
     assert cal["link_gbps"] > 0 and cal["recompute_s"] > 0 and cal["kv_bytes_per_token"] > 0
     assert doc["server"]["host_link_gbps"] == cal["link_gbps"] and doc["server"]["device_tokens"] == 1024
-    assert set(doc["policies"]) == {"lru", "kvflow"}
+    assert list(doc["policies"]) == ["lru", "kvflow", "kvflow-m8"]   # a variant follows its policy
     for name, p in doc["policies"].items():
         w = p["workload"]
         assert w["calls"] == 8 and w["errors"] == 0 and w["workflow_rounds"] == 2
@@ -251,7 +260,8 @@ def test_small_real_run_through_the_cli(tmp_path):
         for key in ("hit_tokens_device", "hit_tokens_host", "miss_tokens", "load_hidden_s",
                     "load_exposed_s", "prefetch_issued", "prefetch_used", "device_rate"):
             assert key in s, (name, key)
-        assert "--policy" in p["serve_argv"] and name in p["serve_argv"]
+        argv = p["serve_argv"]
+        assert argv[argv.index("--policy") + 1] == name.split("-")[0]
     lru, kv = doc["policies"]["lru"], doc["policies"]["kvflow"]
     assert lru["workload"]["host_hit_rate"] == 0 and lru["server"]["prefetch_issued"] == 0
     # the servers leave the client a core (torch threads), calibration timed the same way
@@ -260,14 +270,19 @@ def test_small_real_run_through_the_cli(tmp_path):
     assert f"--torch-threads {client_core_threads()}" in " ".join(lru["serve_argv"])
     # --server-flag reaches every server (they started with it)
     assert doc["server"]["extra_args"] == ["--whole-node-eviction"]
-    assert all(p["serve_argv"][-1] == "--whole-node-eviction" for p in doc["policies"].values())
+    assert doc["policies"]["lru"]["serve_argv"][-1] == "--whole-node-eviction"
+    # ... and a variant's own options come after them, on its server only
+    m8 = doc["policies"]["kvflow-m8"]
+    assert m8["serve_argv"][-3:] == ["--whole-node-eviction", "--min-evict-pages", "8"]
+    assert doc["server"]["variants"] == {"kvflow-m8": ["kvflow", ["--min-evict-pages", "8"]]}
+    assert m8["workload"]["calls"] == 8 and m8["workload"]["errors"] == 0
     # identical server flags apart from --policy
     strip = lambda argv: [a for a in argv if a not in ("lru", "kvflow")]  # noqa: E731
     assert strip(lru["serve_argv"]) == strip(kv["serve_argv"])
     # kvflow: the fixed prompts come back from host or are prefetched (not recomputed)
     assert kv["workload"]["miss_rate"] < lru["workload"]["miss_rate"]
     assert kv["server"]["prefetch_issued"] > 0
-    assert set(doc["ratios"]) == {"lru", "kvflow"}
+    assert set(doc["ratios"]) == {"lru", "kvflow", "kvflow-m8"}
     assert math.isclose(doc["ratios"]["lru"]["speedup_vs_lru"], 1.0)
     assert [t["target"] for t in doc["targets"]][0] == "kvflow >= 3x lru"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
