@@ -2,9 +2,9 @@
 
 The embedded engine's attention gathers every running sequence's KV pages with ``index_select``
 at every decode step (``serving/embedded/model/llama.py``), so how the pages lie in the pool is
-paid per generated token. Partial eviction (the store's default) splits victims and reloads
-their tails into free holes, leaving a prefix in many runs (bench/RESULTS.md §6.10); this
-measures what that costs with nothing else moving: one model, one pool, ``batch`` sequences of
+paid per generated token. Partial eviction (``kvflow serve --partial-eviction``) splits victims
+and reloads their tails into free holes, leaving a prefix in many runs (bench/RESULTS.md §6.10);
+this measures what that costs with nothing else moving: one model, one pool, ``batch`` sequences of
 ``context`` tokens, each laid out in 1, 4, 19, ... runs of neighbouring pages (0 = every page
 its own run), the runs placed at shuffled positions over the pool. The layouts are timed
 interleaved (every repetition times each layout once, in turn), medians over repetitions, and

@@ -120,6 +120,11 @@ _SERVER_THREADS_HELP = ("torch threads of each server (kvflow serve --torch-thre
                         "every core.")
 
 
+_VARIANT_HELP = ("LABEL=POLICY [--serve-option ...]: one more server, running POLICY with these "
+                 "kvflow serve options, measured as its own column beside the others (repeatable; "
+                 "e.g. 'kvflow-partial=kvflow --partial-eviction').")
+
+
 def _server_threads(requested: Optional[int]) -> Optional[int]:
     """``--server-threads``: None = one core fewer than the machine's, 0 = torch's default."""
     from kvflow_agents.bench.server import client_core_threads
@@ -150,7 +155,10 @@ def _policy_variants(texts: Optional[List[str]], pols: list) -> tuple[list, dict
     for text in texts or ():
         label, sep, rest = text.partition("=")
         label = label.strip()
-        words = shlex.split(rest)
+        try:
+            words = shlex.split(rest)
+        except ValueError as e:  # an unclosed quote
+            raise typer.BadParameter(f"{text!r}: {e}", param_hint="--policy-variant") from None
         if not sep or not label or not words:
             raise typer.BadParameter(f"{text!r}: expected LABEL=POLICY [--serve-option ...]",
                                      param_hint="--policy-variant")
@@ -208,10 +216,11 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
         meta["calibration"] = cal.as_dict()
         link = cal.link_gbps
         if regime is not None:  # the served recompute (what the bench's calls pay), not in-process
-            link = cal.prefix_tokens * cal.kv_bytes_per_token / (regime.recompute_s * load_fraction) / 1e9
+            link = cal.prefix_tokens * cal.kv_bytes_per_token / (regime.recompute_fit_s * load_fraction) / 1e9
             meta["calibration"]["link_gbps_served"] = link
             console.print(f"paper regime: link from the served recompute "
-                          f"({regime.recompute_s * 1e3:.0f} ms): --host-link-gbps {link:.4g}")
+                          f"({regime.recompute_fit_s * 1e3:.0f} ms, fit over every probe): "
+                          f"--host-link-gbps {link:.4g}")
     console.print(f"device pool {dev} tokens = {dev / fixed_total:.0%} of the {fixed_total} "
                   f"fixed-prompt tokens; host pool {host} tokens; host link "
                   + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
@@ -265,12 +274,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         server_threads: Optional[int] = typer.Option(None, min=0, help=_SERVER_THREADS_HELP),
         server_flag: Optional[List[str]] = typer.Option(
             None, help="Pass this flag to every embedded server (repeatable; e.g. "
-                       "--server-flag=--whole-node-eviction): compare an engine setting run "
+                       "--server-flag=--partial-eviction): compare an engine setting run "
                        "against run."),
-        policy_variant: Optional[List[str]] = typer.Option(
-            None, help="LABEL=POLICY [--serve-option ...]: one more server, running POLICY with "
-                       "these kvflow serve options, measured as its own column beside the others "
-                       "(repeatable; e.g. 'kvflow-whole=kvflow --whole-node-eviction')."),
+        policy_variant: Optional[List[str]] = typer.Option(None, help=_VARIANT_HELP),
         base_url: Optional[str] = typer.Option(None, help="Measure this running server (…/v1) instead."),
         served_model: Optional[str] = typer.Option(None, help="Model name sent with --base-url."),
         api_key: Optional[str] = typer.Option(None, envvar="KVFLOW_API_KEY", help="API key for the server(s)."),
@@ -435,6 +441,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         seed: int = typer.Option(0, help="Sampling seed sent to the server."),
         hints: str = typer.Option("on", help=_HINTS_HELP),
         hint_lag: int = typer.Option(2, min=1, help="--hints stale: STE map from this many requests earlier."),
+        policy_variant: Optional[List[str]] = typer.Option(None, help=_VARIANT_HELP),
         next_run: bool = typer.Option(True, help="The app's hints name the next question's planner while "
                                       "the reviewer runs (kvflow.instrument(next_run=True)): questions come "
                                       "one after another."),
@@ -457,7 +464,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         if not 0 < load_fraction <= 10:
             raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
         _hint_mode(hints)
-        pols = _policies(policies)
+        pols, variants = _policy_variants(policy_variant, _policies(policies))
+        if variants and base_url:
+            raise typer.BadParameter("passes options to the embedded servers this command starts; "
+                                     "not with --base-url", param_hint="--policy-variant")
         console = Console(stderr=json_out == "-")
         from kvflow_agents.bench import peer as peer_bench
 
@@ -487,7 +497,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             dev = device_tokens if device_tokens is not None else max(
                 _round_page(device_fraction * total, page_size), need)
             link = host_link_gbps
-            if link is None and any(p in ("hicache", "kvflow") for p in pols):
+            if link is None and any(variants.get(p, (p,))[0] in ("hicache", "kvflow") for p in pols):
                 from kvflow_agents.bench.calibrate import calibrate_link
                 from kvflow_agents.bench.workload import token_counter
 
@@ -502,10 +512,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                           f"({dev / total:.0%}); host pool {host_tokens}; host link "
                           + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
             server = ServerConfig(model=model, device_tokens=dev, host_tokens=host_tokens,
-                                  page_size=page_size, host_link_gbps=link, lookahead=lookahead)
+                                  page_size=page_size, host_link_gbps=link, lookahead=lookahead,
+                                  variants=variants)
             meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host_tokens,
                               "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
-                              "fixed_prompt_tokens": fixed_toks}
+                              "fixed_prompt_tokens": fixed_toks,
+                              "variants": {k: [p, list(f)] for k, (p, f) in variants.items()}}
         meta["command"] = command_line("peer")
         title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "
                  f"{model}, max_tokens {max_tokens}" + ("" if hints == "on" else f", hints: {hints}"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Optional
 
 import typer
 

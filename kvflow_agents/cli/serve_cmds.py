@@ -36,14 +36,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                               "shared with clients, leave them a core: an op split over every "
                               "core stalls whenever one of them is busy elsewhere."),
         partial_eviction: bool = typer.Option(
-            True, "--partial-eviction/--whole-node-eviction",
+            False, "--partial-eviction/--whole-node-eviction",
             help="Evict only the tail pages an allocation needs from the last victim (its head "
-                 "stays cached), or whole radix nodes as SGLang does (keeps each prefix in fewer "
-                 "page runs, which this engine's attention reads faster; evicts more)."),
-        min_evict_pages: int = typer.Option(
-            1, min=1, help="With partial eviction: a victim loses at least this many pages (all "
-                           "of them when it has fewer), so a tail reloaded later comes back as "
-                           "one longer run. 1: only the pages needed."),
+                 "stays cached; a little more cached in a tight pool), or whole radix nodes as "
+                 "SGLang does (the default: keeps each prefix in fewer page runs, which this "
+                 "engine's attention reads faster; `kvflow bench layout`)."),
         admission: Optional[str] = typer.Option(
             None, help="Order waiting requests are admitted in: fcfs (their arrival) or workflow "
                        "(the oldest workflow's call first). Default: the policy's (kvflow: "
@@ -154,7 +151,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
-                           min_evict_pages=min_evict_pages,
                            admission=admission, lease_s=lease_s,
                            default_max_tokens=max_tokens_default,
                            max_prefill_tokens=max_prefill_tokens, record_path=record,
@@ -178,9 +174,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"{host_tokens if eng.policy.host_tier else 0} tokens, page {page_size}; "
                    f"host link: {link}; lookahead {lookahead}; max batch {max_batch}; "
                    f"admission {eng.manager.admission.order}; eviction "
-                   + (f"partial nodes (at least {min_evict_pages} pages)"
-                      if partial_eviction and min_evict_pages > 1
-                      else "partial nodes" if partial_eviction else "whole nodes"))
+                   f"{'partial nodes' if partial_eviction else 'whole nodes'}")
         typer.echo(f"  OpenAI base URL: {url}   (KVFlow: {url[:-3]}/kvflow/v1/cache, /metrics)"
                    + (f"   [API key required; {len(keys)} tenant(s)]" if keys else "")
                    + ("   [deterministic]" if deterministic else ""))

@@ -151,8 +151,7 @@ class Engine:
             lease_s=cfg.lease_s, bytes_per_page=self.pool.bytes_per_page,
             link_bytes_per_s=cfg.host_link_gbps * 1e9 if cfg.host_link_gbps else None,
             reserve_window=2 * cfg.max_batch,  # prefetch never takes what queued work needs
-            admission=cfg.admission, partial_eviction=cfg.partial_eviction,
-            min_evict_pages=cfg.min_evict_pages)
+            admission=cfg.admission, partial_eviction=cfg.partial_eviction)
         status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware
         self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
                                    max_skip_s=cfg.max_skip_s)

@@ -37,17 +37,17 @@ class EngineConfig:
     # engine shares the cores with its HTTP front end and, in a benchmark, with the client:
     # an op split over every core stalls whenever one of them is busy elsewhere.
     torch_threads: Optional[int] = None
-    # Evict only the tail pages an allocation needs from the last victim (splitting its node;
-    # the head stays cached), or whole nodes (False, as SGLang evicts). A trade-off on this
-    # engine, measured side by side (bench/RESULTS.md 6.10): tails reloaded into whatever holes
-    # are free scatter prefixes (8 concurrent workflows: 19 page runs per sequence instead of
-    # 3.6, decode steps 9 % slower, since the CPU attention gathers pages), but in a tight pool
-    # whole nodes throw away more of what is cached (32 workflows at 10 %: 1.14x hicache vs
-    # 1.26x; PEER on LangGraph at 80 %: more exposed load). Partial by default.
-    partial_eviction: bool = True
-    # With partial eviction, a victim loses at least this many pages (all of them when it has
-    # fewer), so what is reloaded later comes back in longer runs. 1: only what is needed.
-    min_evict_pages: int = 1
+    # Evict whole radix nodes (False, as SGLang does), or only the tail pages an allocation
+    # needs from the last victim (splitting its node; the head stays cached). Measured side by
+    # side on this engine (bench/RESULTS.md 6.10-6.11): partial eviction keeps a little more
+    # cached in a tight pool (PEER on LangGraph at 80 %: 0.88 of the oracle's cache-cost saving
+    # vs 0.79), but the tails it reloads into free holes scatter prefixes (8 concurrent
+    # workflows: 19 page runs per sequence instead of 3.6), and this engine's attention
+    # gathers every sequence's pages per decode step (`kvflow bench layout`: 19 runs +9-11 %).
+    # End to end whole nodes were faster with 8 workflows (1.31x hicache vs 1.17x) and level
+    # elsewhere (32 workflows at 10 %, PEER), so they are the default here. (The policy core's
+    # own default stays partial: the simulator's GPU cost model pays nothing per page run.)
+    partial_eviction: bool = False
     max_inflight_loads: int = 4
     lease_s: float = 60.0
     max_prefill_tokens: int = 1024        # prompt tokens prefilled per scheduler step (chunked)
@@ -82,8 +82,6 @@ class EngineConfig:
             raise ValueError("host_link_gbps must be > 0")
         if self.max_batch < 1 or self.max_inflight_loads < 1:
             raise ValueError("max_batch and max_inflight_loads must be >= 1")
-        if self.min_evict_pages < 1:
-            raise ValueError("min_evict_pages must be >= 1")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1 (or None: torch's default)")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

@@ -2,7 +2,7 @@
 
 :class:`Evictor` is mixed into :class:`~.store.TieredStore` and works on its fields (``tree``,
 ``device``, ``host``, ``policy``, ``index``, ``book``, ``loads``, ``metrics``, ``backend``,
-``evictable``, ``on_evict``, ``partial_eviction``, ``min_evict_pages``). The order is the policy's
+``evictable``, ``on_evict``, ``partial_eviction``). The order is the policy's
 ``eviction_key(priority, last_access)`` (smallest first, as SGLang's ``EvictionStrategy``);
 both heaps hold stale entries that die lazily (each carries the version it was pushed with),
 so a priority change costs one push instead of a heap rebuild.
@@ -136,10 +136,10 @@ class Evictor:
             if above is not None and prio <= above:
                 self._reindex(n)
                 break
-            take = max(need - freed, self.min_evict_pages)
-            if self.partial_eviction and len(n.device_pages) > take:
+            rest = need - freed
+            if self.partial_eviction and len(n.device_pages) > rest:
                 # Evict only the tail that is needed; the head stays a usable prefix.
-                self.tree.split(n, (len(n.device_pages) - take) * self.page_size)
+                self.tree.split(n, (len(n.device_pages) - rest) * self.page_size)
             freed += self._evict_device_node(n, prio, reason)
         self.evict_floor = None
         return freed

@@ -75,7 +75,7 @@ class KVCacheManager:
                  max_inflight_loads: int = 4, lease_s: float = 60.0,
                  client_cap_pages: int | None = None, bytes_per_page: int | None = None,
                  link_bytes_per_s: float | None = None, default_step_s: float = 1.0,
-                 infer_window: int = 3, partial_eviction: bool = True, min_evict_pages: int = 1,
+                 infer_window: int = 3, partial_eviction: bool = True,
                  reserve_pages: "int | Callable[[], int] | None" = None,
                  reserve_window: int | None = None,
                  recompute_s_per_token: float | None = None,
@@ -99,8 +99,7 @@ class KVCacheManager:
         self.store = TieredStore(self.policy, page_size=page_size, device_pages=device_pages,
                                  host_pages=host_pages, backend=self.backend, book=self.tags,
                                  loads=self.loads, metrics=self.metrics,
-                                 partial_eviction=partial_eviction,
-                                 min_evict_pages=min_evict_pages)
+                                 partial_eviction=partial_eviction)
         self.reserve_window = reserve_window
         self.prefetcher = Prefetcher(self.tags, self.loads, self.metrics, self.store,
                                      page_size=page_size, max_inflight=max_inflight_loads,

@@ -89,8 +89,7 @@ class TieredStore(Evictor, Transfers):
 
     def __init__(self, policy: CachePolicy, *, page_size: int, device_pages: int, host_pages: int,
                  backend: KVTransferBackend, book: TagBook, loads: LoadTracker,
-                 metrics: CacheMetrics, partial_eviction: bool = True,
-                 min_evict_pages: int = 1) -> None:
+                 metrics: CacheMetrics, partial_eviction: bool = True) -> None:
         self.policy = policy
         self.page_size = page_size
         self.backend = backend
@@ -103,14 +102,9 @@ class TieredStore(Evictor, Transfers):
         self.host = PagePool(host_pages if policy.host_tier else 0, name="host")
         # Evict only as many tail pages of the last victim as needed (splitting it) rather
         # than the whole node: the head keeps serving as a prefix. Same for every policy.
-        # (SGLang evicts whole nodes; so can the embedded engine, whose CPU attention reads a
-        # prefix faster in fewer page runs: EngineConfig.partial_eviction.)
+        # (SGLang evicts whole nodes, and so does the embedded engine by default, whose CPU
+        # attention reads a prefix faster in fewer page runs: EngineConfig.partial_eviction.)
         self.partial_eviction = partial_eviction
-        # ... but at least this many pages (the whole victim when it has fewer): a tail reloaded
-        # later comes back as one longer run instead of many short ones.
-        if min_evict_pages < 1:
-            raise ValueError("min_evict_pages must be >= 1")
-        self.min_evict_pages = min_evict_pages
         self.clock = 0                       # logical LRU clock
         self.evictable = 0                   # pages in unlocked DEVICE nodes
         # Optional observer, called as on_evict(node, tier, priority, reason) before a node

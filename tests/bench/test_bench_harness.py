@@ -217,9 +217,12 @@ def test_cli_rejects_bad_flags():
                             "--base-url", "http://127.0.0.1:9/v1"], env=env)
     assert r.exit_code == 2 and "--server-flag" in r.output and "--base-url" in r.output
     for bad, why in (("kvflow-m8", "LABEL=POLICY"), ("kvflow=kvflow", "new name"), ("a b=kvflow", "new name"),
-                     ("m8=fifo", "not a policy"), ("m8=kvflow min-evict-pages", "not a kvflow serve option")):
+                     ("m8=fifo", "not a policy"), ("m8=kvflow whole-node-eviction", "not a kvflow serve option")):
         r = runner.invoke(app, ["bench", "workflow", "--policy-variant", bad], env=env)
         assert r.exit_code == 2 and "--policy-variant" in r.output and why in r.output, (bad, r.output)
+    r = runner.invoke(app, ["bench", "peer", "--policy-variant", "w=kvflow --whole-node-eviction",
+                            "--base-url", "http://127.0.0.1:9/v1"], env=env)
+    assert r.exit_code == 2 and "--policy-variant" in r.output and "--base-url" in r.output
     r = runner.invoke(app, ["bench", "workflow", "--policy-variant", "w=kvflow --whole-node-eviction",
                             "--base-url", "http://127.0.0.1:9/v1"], env=env)
     assert r.exit_code == 2 and "--policy-variant" in r.output and "--base-url" in r.output
@@ -235,7 +238,7 @@ def test_small_real_run_through_the_cli(tmp_path):
         "bench", "workflow", "--agents", "4", "--fixed", "256", "--dynamic", "32", "--output", "8",
         "--rounds", "2", "--trials", "1", "--policies", "lru,kvflow", "--model", "tiny-random",
         "--device-tokens", "1024", "--json", str(out), "--plot", str(png), "--no-progress",
-        "--server-flag=--whole-node-eviction", "--policy-variant", "kvflow-m8=kvflow --min-evict-pages 8"],
+        "--server-flag=--whole-node-eviction", "--policy-variant", "kvflow-part=kvflow --partial-eviction"],
         env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     assert "speedup vs lru" in r.output and "GB/s" in r.output
@@ -248,7 +251,7 @@ def test_small_real_run_through_the_cli(tmp_path):
     cal = doc["calibration"]
     assert cal["link_gbps"] > 0 and cal["recompute_s"] > 0 and cal["kv_bytes_per_token"] > 0
     assert doc["server"]["host_link_gbps"] == cal["link_gbps"] and doc["server"]["device_tokens"] == 1024
-    assert list(doc["policies"]) == ["lru", "kvflow", "kvflow-m8"]   # a variant follows its policy
+    assert list(doc["policies"]) == ["lru", "kvflow", "kvflow-part"]   # a variant follows its policy
     for name, p in doc["policies"].items():
         w = p["workload"]
         assert w["calls"] == 8 and w["errors"] == 0 and w["workflow_rounds"] == 2
@@ -272,17 +275,17 @@ def test_small_real_run_through_the_cli(tmp_path):
     assert doc["server"]["extra_args"] == ["--whole-node-eviction"]
     assert doc["policies"]["lru"]["serve_argv"][-1] == "--whole-node-eviction"
     # ... and a variant's own options come after them, on its server only
-    m8 = doc["policies"]["kvflow-m8"]
-    assert m8["serve_argv"][-3:] == ["--whole-node-eviction", "--min-evict-pages", "8"]
-    assert doc["server"]["variants"] == {"kvflow-m8": ["kvflow", ["--min-evict-pages", "8"]]}
-    assert m8["workload"]["calls"] == 8 and m8["workload"]["errors"] == 0
+    part = doc["policies"]["kvflow-part"]
+    assert part["serve_argv"][-2:] == ["--whole-node-eviction", "--partial-eviction"]  # the last wins
+    assert doc["server"]["variants"] == {"kvflow-part": ["kvflow", ["--partial-eviction"]]}
+    assert part["workload"]["calls"] == 8 and part["workload"]["errors"] == 0
     # identical server flags apart from --policy
     strip = lambda argv: [a for a in argv if a not in ("lru", "kvflow")]  # noqa: E731
     assert strip(lru["serve_argv"]) == strip(kv["serve_argv"])
     # kvflow: the fixed prompts come back from host or are prefetched (not recomputed)
     assert kv["workload"]["miss_rate"] < lru["workload"]["miss_rate"]
     assert kv["server"]["prefetch_issued"] > 0
-    assert set(doc["ratios"]) == {"lru", "kvflow", "kvflow-m8"}
+    assert set(doc["ratios"]) == {"lru", "kvflow", "kvflow-part"}
     assert math.isclose(doc["ratios"]["lru"]["speedup_vs_lru"], 1.0)
     assert [t["target"] for t in doc["targets"]][0] == "kvflow >= 3x lru"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -363,6 +366,7 @@ def test_paper_regime_probes_a_served_engine():
     assert 64 <= cal.fixed <= 512 and cal.fixed % 64 == 0
     assert cal.probes[-1][0] == cal.fixed and cal.ratio_at_fixed == cal.probes[-1][3]
     assert cal.recompute_s > 0 and cal.call_s > 0 and cal.ratio_at_fixed > 0
+    assert cal.recompute_fit_s > 0 and cal.ratio_fit > 0
 
 
 def test_cache_cost_saving_from_counters():

@@ -23,19 +23,16 @@ def test_serve_help_and_engine_choice():
     assert r.exit_code != 0 and "kvflow" in r.output
     r = runner.invoke(app, ["serve", "--admission", "lifo"], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "--admission" in r.output and "fcfs or workflow" in r.output
-    r = runner.invoke(app, ["serve", "--min-evict-pages", "0"], env={"COLUMNS": "200"})
-    assert r.exit_code == 2 and "--min-evict-pages" in r.output
     r = runner.invoke(app, ["serve", "--torch-threads", "0"], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "--torch-threads" in r.output
     r = runner.invoke(app, ["sim", "run", "--admission", "lifo"], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "--admission" in r.output and "fcfs, workflow" in r.output
 
 
-@pytest.mark.parametrize("flags, partial, min_pages", [([], True, 1), (["--whole-node-eviction"], False, 1),
-                                                       (["--min-evict-pages", "8"], True, 8)])
-def test_serve_eviction_flag_reaches_the_store(monkeypatch, flags, partial, min_pages):
-    """``kvflow serve`` builds its engine's store with partial eviction unless told to evict
-    whole nodes. The engine is the real one; only uvicorn's loop is replaced."""
+@pytest.mark.parametrize("flags, partial", [([], False), (["--partial-eviction"], True)])
+def test_serve_eviction_flag_reaches_the_store(monkeypatch, flags, partial):
+    """``kvflow serve`` builds its engine's store evicting whole nodes unless told to evict
+    partially. The engine is the real one; only uvicorn's loop is replaced."""
     import uvicorn
 
     seen = {}
@@ -43,6 +40,5 @@ def test_serve_eviction_flag_reaches_the_store(monkeypatch, flags, partial, min_
     args = ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags
     r = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
-    assert seen["store"].partial_eviction is partial and seen["store"].min_evict_pages == min_pages
+    assert seen["store"].partial_eviction is partial
     assert ("eviction partial nodes" if partial else "eviction whole nodes") in r.output
-    assert ("at least 8 pages" in r.output) is (min_pages == 8)
