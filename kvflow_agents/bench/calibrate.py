@@ -126,7 +126,7 @@ class RegimeCalibration:
     probes: list                  # [[fixed, recompute_s, call_s, ratio], ...]
     capped: bool                  # the target needs more than ``max_fixed`` tokens
     # the fit over every probe at the chosen length: what the emulated link is set from (one
-    # probe's recompute moves by +-10 % on a busy box; a link set from a high one made hicache's
+    # probe's recompute moved by 10-20 % between runs; a link set from a high one made hicache's
     # loads slower and the paper ratio look better)
     recompute_fit_s: float = 0.0
     ratio_fit: float = 0.0
