@@ -134,14 +134,32 @@ def _server_threads(requested: Optional[int]) -> Optional[int]:
     return requested or None
 
 
-def _server_flags(flags: Optional[List[str]]) -> tuple:
-    """``--server-flag`` values: each a ``kvflow serve`` option (``--name`` or ``--name=value``)."""
-    flags = tuple(flags or ())
-    bad = [f for f in flags if not f.startswith("--")]
+def _serve_options(words, hint: str) -> tuple:
+    """``kvflow serve`` options as ``--name``, ``--name=value`` or ``--name value`` (a bare
+    word only right after an option); anything else is refused under ``hint``."""
+    words = tuple(words or ())
+    bad = [w for i, w in enumerate(words) if not w.startswith("--")
+           and (i == 0 or not words[i - 1].startswith("--"))]
     if bad:
         raise typer.BadParameter(f"{bad[0]!r} is not a kvflow serve option (--name or --name=value)",
-                                 param_hint="--server-flag")
-    return flags
+                                 param_hint=hint)
+    return words
+
+
+def _server_flags(flags: Optional[List[str]]) -> tuple:
+    """``--server-flag`` values: each one ``kvflow serve`` option (``--name`` or ``--name=value``)."""
+    for f in flags or ():
+        _serve_options([f], "--server-flag")
+    return tuple(flags or ())
+
+
+def _runs_policy(pols, variants: dict, names: tuple) -> bool:
+    """Does any column (a policy, or a variant of one) run one of ``names``."""
+    return any(variants.get(p, (p,))[0] in names for p in pols)
+
+
+def _variants_json(variants: dict) -> dict:
+    return {k: [p, list(f)] for k, (p, f) in variants.items()}
 
 
 def _policy_variants(texts: Optional[List[str]], pols: list) -> tuple[list, dict]:
@@ -168,13 +186,7 @@ def _policy_variants(texts: Optional[List[str]], pols: list) -> tuple[list, dict
         if words[0] not in POLICIES:
             raise typer.BadParameter(f"{words[0]!r} is not a policy ({', '.join(POLICIES)})",
                                      param_hint="--policy-variant")
-        # options as --name, --name=value or --name value (a bare word only after an option)
-        bad = [w for i, w in enumerate(words[1:]) if not w.startswith("--")
-               and (i == 0 or not words[i].startswith("--"))]
-        if bad:
-            raise typer.BadParameter(f"{bad[0]!r} is not a kvflow serve option (--name or --name=value)",
-                                     param_hint="--policy-variant")
-        variants[label] = (words[0], tuple(words[1:]))
+        variants[label] = (words[0], _serve_options(words[1:], "--policy-variant"))
     cols = list(pols)
     for label, (policy, _) in variants.items():
         after = max((i for i, c in enumerate(cols) if c == policy or variants.get(c, ("",))[0] == policy),
@@ -205,7 +217,7 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
     host = host_tokens if host_tokens is not None else max(8192, _round_page(2 * ws, page_size))
     link = host_link_gbps
     variants = dict(variants or {})
-    if link is None and any(variants.get(p, (p,))[0] in ("hicache", "kvflow") for p in pols):
+    if link is None and _runs_policy(pols, variants, ("hicache", "kvflow")):
         from kvflow_agents.bench.calibrate import calibrate_link
 
         console.print(f"[dim]calibrating the emulated host link on {model} …[/]")
@@ -228,7 +240,7 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
                       "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
                       "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total,
                       "torch_threads": torch_threads, "extra_args": list(extra_args),
-                      "variants": {k: [p, list(f)] for k, (p, f) in variants.items()}}
+                      "variants": _variants_json(variants)}
     return ServerConfig(model=model, device_tokens=dev, host_tokens=host, page_size=page_size,
                         host_link_gbps=link, lookahead=lookahead, max_batch=max_batch,
                         torch_threads=torch_threads, extra_args=extra_args, variants=variants)
@@ -497,7 +509,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             dev = device_tokens if device_tokens is not None else max(
                 _round_page(device_fraction * total, page_size), need)
             link = host_link_gbps
-            if link is None and any(variants.get(p, (p,))[0] in ("hicache", "kvflow") for p in pols):
+            if link is None and _runs_policy(pols, variants, ("hicache", "kvflow")):
                 from kvflow_agents.bench.calibrate import calibrate_link
                 from kvflow_agents.bench.workload import token_counter
 
@@ -517,7 +529,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host_tokens,
                               "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
                               "fixed_prompt_tokens": fixed_toks,
-                              "variants": {k: [p, list(f)] for k, (p, f) in variants.items()}}
+                              "variants": _variants_json(variants)}
         meta["command"] = command_line("peer")
         title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "
                  f"{model}, max_tokens {max_tokens}" + ("" if hints == "on" else f", hints: {hints}"))
