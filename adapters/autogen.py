@@ -203,7 +203,7 @@ class AutoGenInstrumentation:
                 exact, wire = tr.ste(), tr.wire_ste()
             else:  # between two steps: a selector is choosing
                 exact, expected = ste_between_steps(self.graph, self.model, tr.steps[-1], tr.arrived,
-                                                    app=self.app)
+                                                    app=self.app, after=tr.step_contexts())
                 wire = wire_ste(exact, expected)
             active = self._run_active or started
             for s in self._routers:

@@ -40,6 +40,23 @@ Expected STE (the value in ``kvflow_ste``)
     adapter uses ``k = 1``; the AutoGen adapter ``k = 0`` (the prior alone already spreads a
     selector's candidates).
 
+    **Context.** Where the choice at ``u`` depends on how ``u`` was reached, the model also
+    counts it per predecessor (second order): ``n(w → u → v)`` for the agent ``w`` whose step
+    came right before ``u``'s over an OR edge. A ReAct agent is the common case: reached from
+    its caller it calls the tool; reached from the tool it answers (``agent → tools | END``
+    is 50/50 in first order, certain in second). The context distribution backs off to what
+    the *other* contexts saw (so no observation is counted twice)::
+
+        P(v | u, after w) = (n(w → u → v) + a * R(v)) / (sum over v' of n(w → u → v') + a)
+        R(v) = (n(u → v) - n(w → u → v) + prior) / (sum of the same over C(u))
+
+    with ``a = prior * |C(u)|``: without evidence in that context it *is* the first-order
+    distribution, and where ``u`` is always reached from ``w`` it is too (an uninformative
+    context changes nothing). The pass runs over states ``(agent, reached from)``: a running agent starts
+    from the predecessors it was started after (:meth:`LearnedTracker.contexts`), an agent
+    reached over ``u → v`` continues in context ``u``, an AND join's target in none (first
+    order). The bounds above hold unchanged (every length is still >= 1).
+
     **On the wire** (:func:`wire_ste`): ``kvflow_ste[a] = max(exact(a), round(X(a)))``
     (half up), ``null`` where the exact STE is infinite. The protocol carries integers, and the
     server uses the value as an eviction priority and a prefetch lookahead, both in steps: a
@@ -72,8 +89,8 @@ import math
 import os
 import threading
 import weakref
-from collections import defaultdict
-from dataclasses import dataclass
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Mapping, Sequence
 
@@ -98,6 +115,7 @@ class _View:
     """What the expected-STE pass needs from an :class:`AgentStepGraph`."""
 
     or_succ: dict[str, tuple[tuple[str, bool], ...]]  # u -> ((v, conditional), ...), v may be END
+    or_pred: dict[str, frozenset[str]]                # v -> its OR predecessors (START included)
     cond_succ: dict[str, tuple[str, ...]]             # u -> conditional successors (END included)
     groups: tuple[tuple[str, tuple[str, ...]], ...]   # (target, members)
     member_groups: dict[str, tuple[int, ...]]
@@ -138,8 +156,13 @@ def _view(graph: AgentStepGraph) -> _View:
         for a in graph.agents:
             if not any(True for _ in g.predecessors(a)):
                 or_succ[START].append((a, False))
+    or_pred: dict[str, set[str]] = defaultdict(set)
+    for u, vs in or_succ.items():
+        for v, _ in vs:
+            or_pred[v].add(u)
     view = _View(
         or_succ={u: tuple(dict.fromkeys(v)) for u, v in or_succ.items()},
+        or_pred={v: frozenset(us) for v, us in or_pred.items()},
         cond_succ={u: tuple(dict.fromkeys(v)) for u, v in cond.items()},
         groups=tuple(groups),
         member_groups={m: tuple(v) for m, v in member_groups.items()},
@@ -157,26 +180,37 @@ def conditional_successors(graph: AgentStepGraph, agent: str) -> tuple[str, ...]
 
 
 def _solve(graph: AgentStepGraph, running: Iterable[str], arrived: Mapping[str, Iterable[str]] | None,
-           length: Any) -> dict[str, float]:
-    """Dijkstra over the STE recurrence; ``length(u, v, conditional)`` >= 1 or ``inf``."""
+           length: Any, contexts: Mapping[str, Iterable[str | None]] | None = None) -> dict[str, float]:
+    """Dijkstra over the STE recurrence, on states ``(agent, reached from)``.
+
+    ``length(u, v, conditional, came_from)`` >= 1 or ``inf``, where ``came_from`` is the agent
+    ``u`` was reached from on this path (``None``: unknown). ``contexts``: for a running
+    agent, the predecessors it was started after (``None`` among them: unknown); without, every
+    running agent starts in context ``None``. An agent's STE is its best state's; AND groups
+    count an agent once, at that distance. A state of an agent whose STE is already known still
+    continues: reached from elsewhere, its choices may differ (a ReAct agent after its tool)."""
     v_ = _view(graph)
     arrived = arrived or {}
     running = set(running)
-    dist: dict[str, float] = {}
-    heap: list[tuple[float, int, str]] = []
+    contexts = contexts or {}
+    dist: dict[str, float] = {}                     # agent -> STE (its first state popped)
+    best: dict[tuple[str, str | None], float] = {}  # state -> tentative distance
+    heap: list[tuple[float, int, str, str | None]] = []
     tie = 0
 
-    def push(node: str, d: float) -> None:
+    def push(node: str, came_from: str | None, d: float) -> None:
         nonlocal tie
-        if d < dist.get(node, INF):
-            dist[node] = d
+        key = (node, came_from)
+        if d < best.get(key, INF):
+            best[key] = d
             tie += 1
-            heapq.heappush(heap, (d, tie, node))
+            heapq.heappush(heap, (d, tie, node, came_from))
 
     for a in running:
         if a == START:
             continue
-        push(a, 0.0)
+        for c in (contexts.get(a) or (None,)):
+            push(a, c, 0.0)
     remaining: list[int] = []
     arrived_in: list[frozenset[str]] = []
     for target, members in v_.groups:
@@ -185,36 +219,42 @@ def _solve(graph: AgentStepGraph, running: Iterable[str], arrived: Mapping[str, 
         remaining.append(sum(1 for m in members if m not in got))
     for gid, r in enumerate(remaining):
         if r == 0:
-            push(v_.groups[gid][0], 1.0)
+            push(v_.groups[gid][0], None, 1.0)
     if START in running:
         for v, c in v_.or_succ.get(START, ()):
             if v != END:
-                push(v, length(START, v, c))
-    done: set[str] = set()
+                push(v, START, length(START, v, c, None))
+    done: set[tuple[str, str | None]] = set()
     while heap:
-        d, _, u = heapq.heappop(heap)
-        if u in done or d > dist.get(u, INF):
+        d, _, u, came_from = heapq.heappop(heap)
+        state = (u, came_from)
+        if state in done or d > best.get(state, INF):
             continue
-        done.add(u)
+        done.add(state)
+        first = u not in dist
+        if first:
+            dist[u] = d
         for v, c in v_.or_succ.get(u, ()):
-            if v == END or v in done:
+            if v == END or (v, u) in done:
                 continue
-            w = length(u, v, c)
+            w = length(u, v, c, came_from)
             if w < INF:
-                push(v, d + w)
+                push(v, u, d + w)
+        if not first:
+            continue
         for gid in v_.member_groups.get(u, ()):
             if u in arrived_in[gid]:
                 continue
             remaining[gid] -= 1
             if remaining[gid] == 0:  # u is the last member reached: it holds the max
-                push(v_.groups[gid][0], d + 1.0)
+                push(v_.groups[gid][0], None, d + 1.0)
     return {a: dist.get(a, INF) for a in v_.agents}
 
 
 def guaranteed_ste(graph: AgentStepGraph, running: Iterable[str] = (),
                    arrived: Mapping[str, Iterable[str]] | None = None) -> dict[str, float]:
     """STE over unconditional edges only: an upper bound where finite (barring early stops)."""
-    return _solve(graph, running, arrived, lambda u, v, c: INF if c else 1.0)
+    return _solve(graph, running, arrived, lambda u, v, c, _: INF if c else 1.0)
 
 
 # ---------------------------------------------------------------------------- the model
@@ -236,10 +276,11 @@ def default_model() -> "TransitionModel":
 
 
 class TransitionModel:
-    """Per-app counts of conditional transitions ``(u → v)`` and what follows from them.
+    """Per-app counts of conditional transitions ``(u → v)``, also per predecessor ``w`` of
+    ``u`` (``w → u → v``, the module doc's context), and what follows from them.
 
     Thread-safe. ``app`` names a workflow *application* (all runs of one graph share counts);
-    ``u`` may be ``START`` and ``v`` may be ``END``.
+    ``u`` and ``w`` may be ``START`` and ``v`` may be ``END``.
     """
 
     def __init__(self, prior: float = 1.0) -> None:
@@ -247,6 +288,7 @@ class TransitionModel:
             raise GraphError(f"prior must be > 0, got {prior!r}")
         self.prior = float(prior)
         self._counts: dict[str, dict[str, dict[str, int]]] = {}
+        self._after: dict[str, dict[str, dict[str, dict[str, int]]]] = {}  # app -> u -> w -> v -> n
         self._lock = threading.Lock()
         self._path: Path | None = None
         self._loaded: set[Path] = set()
@@ -257,86 +299,123 @@ class TransitionModel:
             row = self._counts.setdefault(app, {}).setdefault(src, {})
             row[dst] = row.get(dst, 0) + n
 
-    def count(self, app: str, src: str, dst: str) -> int:
+    def observe_after(self, app: str, before: str, src: str, dst: str, n: int = 1) -> None:
+        """Count ``src → dst`` where ``src`` was reached from ``before`` (the context row only;
+        :meth:`observe` counts the first-order row)."""
+        with self._lock:
+            row = self._after.setdefault(app, {}).setdefault(src, {}).setdefault(before, {})
+            row[dst] = row.get(dst, 0) + n
+
+    def count(self, app: str, src: str, dst: str, *, after: str | None = None) -> int:
+        if after is not None:
+            return self._after.get(app, {}).get(src, {}).get(after, {}).get(dst, 0)
         return self._counts.get(app, {}).get(src, {}).get(dst, 0)
 
     def counts(self, app: str) -> dict[tuple[str, str], int]:
         with self._lock:
             return {(u, v): n for u, row in self._counts.get(app, {}).items() for v, n in row.items()}
 
+    def context_counts(self, app: str) -> dict[tuple[str, str, str], int]:
+        """``{(before, u, v): n}``: the transitions counted per predecessor."""
+        with self._lock:
+            return {(w, u, v): n for u, by in self._after.get(app, {}).items()
+                    for w, row in by.items() for v, n in row.items()}
+
     def observations(self, app: str) -> int:
         return sum(self.counts(app).values())
 
     @property
     def apps(self) -> list[str]:
-        return list(self._counts)
+        return list(dict.fromkeys([*self._counts, *self._after]))
 
     def reset(self, app: str | None = None) -> None:
         with self._lock:
             if app is None:
                 self._counts.clear()
+                self._after.clear()
             else:
                 self._counts.pop(app, None)
+                self._after.pop(app, None)
 
     # -------------------------------------------------------------- probabilities
-    def distribution(self, app: str, src: str, candidates: Sequence[str]) -> dict[str, float]:
-        """``P(v | src)`` over ``candidates`` (the conditional successors of ``src``)."""
+    def distribution(self, app: str, src: str, candidates: Sequence[str], *,
+                     after: str | None = None) -> dict[str, float]:
+        """``P(v | src)`` over ``candidates`` (the conditional successors of ``src``); with
+        ``after``, ``P(v | src reached from after)``, backed off to the first order (module doc)."""
         if not candidates:
             return {}
         row = self._counts.get(app, {}).get(src, {})
         ns = [row.get(v, 0) for v in candidates]
         total = sum(ns) + self.prior * len(candidates)
-        return {v: (n + self.prior) / total for v, n in zip(candidates, ns)}
+        first = {v: (n + self.prior) / total for v, n in zip(candidates, ns)}
+        ctx = self._after.get(app, {}).get(src, {}).get(after) if after is not None else None
+        if not ctx:
+            return first
+        rest = [max(0, n - ctx.get(v, 0)) for v, n in zip(candidates, ns)]
+        rest_total = sum(rest) + self.prior * len(candidates)
+        strength = self.prior * len(candidates)
+        total = sum(ctx.get(v, 0) for v in candidates) + strength
+        return {v: (ctx.get(v, 0) + strength * (r + self.prior) / rest_total) / total
+                for v, r in zip(candidates, rest)}
 
-    def probability(self, app: str, graph: AgentStepGraph, src: str, dst: str) -> float:
-        """``P(dst | src)`` on ``graph``: 1 over an unconditional edge, 0 with no edge."""
+    def probability(self, app: str, graph: AgentStepGraph, src: str, dst: str, *,
+                    after: str | None = None) -> float:
+        """``P(dst | src)`` on ``graph`` (``after``: ``src`` was reached from that agent): 1 over
+        an unconditional edge, 0 with no edge."""
         v_ = _view(graph)
         edges = dict(v_.or_succ.get(src, ()))
         if dst not in edges:
             return 0.0
         if not edges[dst]:
             return 1.0
-        return self.distribution(app, src, v_.cond_succ.get(src, ()))[dst]
+        return self.distribution(app, src, v_.cond_succ.get(src, ()), after=after)[dst]
 
     # -------------------------------------------------------------- STE
     def expected_ste(self, graph: AgentStepGraph, running: Iterable[str] = (),
                      arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None,
-                     min_evidence: int = 0) -> dict[str, float]:
+                     min_evidence: int = 0,
+                     after: Mapping[str, Iterable[str | None]] | None = None) -> dict[str, float]:
         """Expected STE (float; see the module doc). ``app`` defaults to the graph's name.
         ``min_evidence``: a choice observed fewer times than this keeps the best case (length 1
-        on each of its edges): no evidence, no claim (the LangGraph adapter uses 1)."""
+        on each of its edges): no evidence, no claim (the LangGraph adapter uses 1).
+        ``after``: for running agents, the predecessors they were started after (context)."""
         app = graph.name if app is None else app
         v_ = _view(graph)
-        cache: dict[str, dict[str, float]] = {}
+        cache: dict[tuple[str, str | None], dict[str, float]] = {}
         rows = self._counts.get(app, {})
 
-        def length(u: str, v: str, c: bool) -> float:
+        def length(u: str, v: str, c: bool, came_from: str | None) -> float:
             if not c:
                 return 1.0
-            dist = cache.get(u)
+            dist = cache.get((u, came_from))
             if dist is None:
                 if min_evidence and sum(rows.get(u, {}).values()) < min_evidence:
-                    dist = cache[u] = {w: 1.0 for w in v_.cond_succ.get(u, ())}
+                    dist = {w: 1.0 for w in v_.cond_succ.get(u, ())}
                 else:
-                    dist = cache[u] = self.distribution(app, u, v_.cond_succ.get(u, ()))
+                    dist = self.distribution(app, u, v_.cond_succ.get(u, ()), after=came_from)
+                cache[(u, came_from)] = dist
             return 1.0 / dist[v]
 
-        return _solve(graph, running, arrived, length)
+        return _solve(graph, running, arrived, length, after)
 
     def wire_ste(self, graph: AgentStepGraph, running: Iterable[str] = (),
                  arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None,
-                 exact: Mapping[str, float] | None = None, min_evidence: int = 0) -> dict[str, float]:
+                 exact: Mapping[str, float] | None = None, min_evidence: int = 0,
+                 after: Mapping[str, Iterable[str | None]] | None = None) -> dict[str, float]:
         """The ``kvflow_ste`` map: expected STE rounded half up, never below the exact STE."""
         running = set(running)
         if exact is None:
             exact = graph.steps_to_execution(running, arrived or {}, validate=False)
-        return wire_ste(exact, self.expected_ste(graph, running, arrived, app=app, min_evidence=min_evidence))
+        return wire_ste(exact, self.expected_ste(graph, running, arrived, app=app,
+                                                 min_evidence=min_evidence, after=after))
 
     # -------------------------------------------------------------- persistence
     def to_json(self) -> str:
         with self._lock:
-            return json.dumps({"kvflow_transitions": 1, "prior": self.prior, "counts": self._counts},
-                              sort_keys=True)
+            doc: dict[str, Any] = {"kvflow_transitions": 1, "prior": self.prior, "counts": self._counts}
+            if self._after:  # older readers ignore it; older files simply lack it
+                doc["after"] = self._after
+            return json.dumps(doc, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "TransitionModel":
@@ -349,6 +428,11 @@ class TransitionModel:
                 for u, row in rows.items():
                     for v, n in row.items():
                         m.observe(app, u, v, int(n))
+            for app, rows in (doc.get("after") or {}).items():
+                for u, by in rows.items():
+                    for w, row in by.items():
+                        for v, n in row.items():
+                            m.observe_after(app, w, u, v, int(n))
             return m
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise GraphError(f"cannot read transition model: {e}") from e
@@ -367,6 +451,8 @@ class TransitionModel:
         for app in other.apps:
             for (u, v), n in other.counts(app).items():
                 self.observe(app, u, v, n)
+            for (w, u, v), n in other.context_counts(app).items():
+                self.observe_after(app, w, u, v, n)
 
     def bind_file(self, path: str | Path) -> "TransitionModel":
         """Persist this model in ``path`` across runs and processes: the counts already there
@@ -523,14 +609,34 @@ def read_traces(path_or_file: str | Path | IO[str]) -> tuple[dict[str, AgentStep
 
 
 # ---------------------------------------------------------------------------- tracking
+@dataclass
+class _StepLog:
+    """What :class:`LearnedTracker` keeps of one step of the run."""
+
+    n: Counter = field(default_factory=Counter)        # agent -> instances started
+    ctx: dict = field(default_factory=dict)            # agent -> predecessors it came from
+    out: dict = field(default_factory=dict)            # agent -> Counter of successors counted
+
+
 class LearnedTracker(WorkflowTracker):
     """A :class:`WorkflowTracker` that learns conditional transitions as the run goes and
     answers the expected STE. Hook-free: it wraps ``start``/``end`` of the base tracker.
 
     A transition ``u → v`` is counted when ``v`` starts the step after the one ``u`` ran in
     (``u = START`` for the first step) and ``u → v`` is a conditional edge; ``u → END`` when
-    the run ends after ``u`` and that edge is conditional. ``end()`` closes the run and, with
-    a ``recorder``, appends its steps as a :class:`TraceRun`.
+    the run ends after ``u`` and that edge is conditional (once per instance of ``u``).
+    ``end()`` closes the run and, with a ``recorder``, appends its steps as a :class:`TraceRun`.
+
+    Fan-in: ``k`` instances of ``u`` (a Send fan-out) whose step is followed by fewer than
+    ``k`` starts of its successors, all of one agent ``v``, each chose ``v`` (the executors of a
+    map-reduce all leave for the one reducer): when the step after ``v``'s opens (or the run
+    ends), ``u → v`` is topped up to ``k``. Without it a map-reduce's exit looks ``k`` times
+    rarer than the loop beside it.
+
+    Context: an agent started after a step that ran some of its OR predecessors was reached
+    from those (:meth:`contexts`); its transitions are also counted in their rows
+    (:meth:`TransitionModel.observe_after`). Several running instances of one agent (a Send
+    fan-out) keep their contexts in start order, and a finish drops the oldest.
     """
 
     def __init__(self, graph: AgentStepGraph, model: TransitionModel | None = None, *,
@@ -545,26 +651,78 @@ class LearnedTracker(WorkflowTracker):
         if recorder is not None:
             recorder.add_graph(self.app, graph)
         self._steps: list[list[str]] = []   # this run's steps
+        self._log: list[_StepLog] = []      # per step: instances, contexts, successors counted
         self._step_no: int | None = None    # tracker step number of self._steps[-1]
+        self._run_ctx: dict[str, deque[frozenset[str]]] = {}  # running instances' contexts, oldest first
+
+    def _observe(self, u: str, v: str, log: "_StepLog", n: int = 1) -> None:
+        """Count ``u → v`` ``n`` times for instances of ``u`` in ``log``'s step, in ``u``'s
+        first-order row and in each of its contexts' rows."""
+        self.model.observe(self.app, u, v, n)
+        for w in log.ctx.get(u, ()):
+            self.model.observe_after(self.app, w, u, v, n)
+        log.out.setdefault(u, Counter())[v] += n
+
+    def _top_up_fan_in(self, i: int) -> None:
+        """Step ``i + 1`` is complete: credit step ``i``'s uncounted instances (class doc)."""
+        if not self.learn or i < 0 or i + 1 >= len(self._log):
+            return
+        log = self._log[i]
+        for u, k in log.n.items():
+            out = log.out.get(u)
+            if out and len(out) == 1:
+                (v, got), = out.items()
+                if got < k:
+                    self._observe(u, v, log, k - got)
 
     def start(self, agent: str, *, step: int | None = None) -> None:
         with self._lock:
             was_ended = self._ended or not self._started
             super().start(agent, step=step)
             if was_ended:
-                self._steps, self._step_no = [], None
+                self._steps, self._log, self._step_no = [], [], None
+                self._run_ctx.clear()
             if self._step_no != self._step:
-                prev = self._steps[-1] if self._steps else [START]
+                i = len(self._steps) - 1  # the previous step (-1: none, START)
+                self._top_up_fan_in(i - 1)
                 self._steps.append([])
+                self._log.append(_StepLog())
                 self._step_no = self._step
             else:
-                prev = self._steps[-2] if len(self._steps) > 1 else [START]
+                i = len(self._steps) - 2
+            prev = self._steps[i] if i >= 0 else [START]
+            prev_log = self._log[i] if i >= 0 else _StepLog()
+            preds = _view(self.graph).or_pred.get(agent, frozenset())
+            ctx = frozenset(u for u in prev if u in preds)
+            self._run_ctx.setdefault(agent, deque()).append(ctx)
+            log = self._log[-1]
+            log.ctx.setdefault(agent, set()).update(ctx)
+            log.n[agent] += 1
             if agent not in self._steps[-1]:
                 self._steps[-1].append(agent)
             if self.learn:
                 for u in prev:
                     if agent in conditional_successors(self.graph, u):
-                        self.model.observe(self.app, u, agent)
+                        self._observe(u, agent, prev_log)
+
+    def finish(self, agent: str) -> None:
+        with self._lock:
+            super().finish(agent)
+            self._drop_context(agent)
+
+    def cancel(self, agent: str) -> None:
+        with self._lock:
+            was = self._running.get(agent, 0)
+            super().cancel(agent)
+            if was:
+                self._drop_context(agent)
+
+    def _drop_context(self, agent: str) -> None:
+        q = self._run_ctx.get(agent)
+        if q:
+            q.popleft()
+            if not q:
+                del self._run_ctx[agent]
 
     def end(self) -> None:
         with self._lock:
@@ -572,19 +730,33 @@ class LearnedTracker(WorkflowTracker):
                 return
             steps = self._steps
             if self.learn and steps:
+                self._top_up_fan_in(len(steps) - 2)
+                last = self._log[-1]
                 for u in steps[-1]:
                     if END in conditional_successors(self.graph, u):
-                        self.model.observe(self.app, u, END)
+                        self._observe(u, END, last, last.n[u])
             super().end()
             if self.recorder is not None and steps:
                 self.recorder.add_run(TraceRun(self.app, [list(s) for s in steps], self.workflow_id))
-            self._steps, self._step_no = [], None
+            self._steps, self._log, self._step_no = [], [], None
+            self._run_ctx.clear()
 
     @property
     def steps(self) -> list[list[str]]:
         """The agents of each step of the current (or last ended) run."""
         with self._lock:
             return [list(s) for s in self._steps]
+
+    def contexts(self) -> dict[str, set[str | None]]:
+        """For each running agent, the predecessors its instances were started after (``None``
+        for an instance started after none of them: an entry, a join's target)."""
+        with self._lock:
+            return {a: {w for ctx in q for w in (ctx or (None,))} for a, q in self._run_ctx.items()}
+
+    def step_contexts(self) -> dict[str, set[str]]:
+        """The predecessors each agent of the last step was started after (between steps)."""
+        with self._lock:
+            return {a: set(c) for a, c in self._log[-1].ctx.items()} if self._log else {}
 
     def _state(self) -> tuple[set[str], dict[str, set[str]]]:
         with self._lock:
@@ -594,9 +766,11 @@ class LearnedTracker(WorkflowTracker):
     def expected_ste(self) -> dict[str, float]:
         if self._ended:
             return {a: INF for a in self.graph.agents}
-        running, arrived = self._state()
+        with self._lock:
+            running, arrived = self._state()
+            after = self.contexts()
         return self.model.expected_ste(self.graph, running, arrived, app=self.app,
-                                       min_evidence=self.min_evidence)
+                                       min_evidence=self.min_evidence, after=after)
 
     def guaranteed_ste(self) -> dict[str, float]:
         if self._ended:
@@ -618,16 +792,19 @@ class LearnedTracker(WorkflowTracker):
 
 # ---------------------------------------------------------------------------- between steps
 def ste_between_steps(graph: AgentStepGraph, model: TransitionModel, last_step: Iterable[str],
-                      arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None
+                      arrived: Mapping[str, Iterable[str]] | None = None, *, app: str | None = None,
+                      after: Mapping[str, Iterable[str | None]] | None = None
                       ) -> tuple[dict[str, float], dict[str, float]]:
     """``(exact, expected)`` STE after the agents of ``last_step`` finished and before the next
     step starts (a router — an LLM selector — is choosing). Agents of the next step are at 1;
     an agent of ``last_step`` is one step after its nearest OR predecessor (itself, over a
-    self-loop). AND joins into ``last_step`` agents are not re-derived (rare after a step)."""
+    self-loop). AND joins into ``last_step`` agents are not re-derived (rare after a step).
+    ``after``: the predecessors the agents of ``last_step`` were started after
+    (:meth:`LearnedTracker.step_contexts`): the router's choice in their context."""
     last = [a for a in last_step if a in graph]
     app = graph.name if app is None else app
     exact = graph.steps_to_execution(set(last), arrived or {}, validate=False)
-    expected = model.expected_ste(graph, set(last), arrived, app=app)
+    expected = model.expected_ste(graph, set(last), arrived, app=app, after=after)
     base_e, base_x = dict(exact), dict(expected)
     for a in last:
         best_e, best_x = INF, INF

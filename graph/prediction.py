@@ -78,7 +78,8 @@ def evaluate_predictions(graphs: Mapping[str, AgentStepGraph], runs: Iterable[Tr
             if not only_choices or any(conditional_successors(g, u) for u in running):
                 arrived = tr.arrived if i else {}
                 exact = g.steps_to_execution(running, arrived, validate=False)
-                learned_f = model.expected_ste(g, running, arrived, app=run.app)
+                learned_f = model.expected_ste(g, running, arrived, app=run.app,
+                                               after=tr.contexts() if i else None)
                 learned = wire_ste(exact, learned_f) if use_wire else learned_f
                 eh, eu = _score(exact, running - {START}, step)
                 lh, lu = _score(learned, running - {START}, step)
@@ -104,16 +105,16 @@ def evaluate_predictions(graphs: Mapping[str, AgentStepGraph], runs: Iterable[Tr
 
 
 def _learn_run(model: TransitionModel, graph: AgentStepGraph, run: TraceRun) -> None:
-    prev = [START]
+    """Count one recorded run, as a live :class:`LearnedTracker` would have (contexts included)."""
+    tr = LearnedTracker(graph, model, app=run.app)
     for step in run.steps:
-        for v in step:
-            for u in prev:
-                if v in conditional_successors(graph, u):
-                    model.observe(run.app, u, v)
-        prev = step
-    for u in prev:
-        if END in conditional_successors(graph, u):
-            model.observe(run.app, u, END)
+        for a in list(tr.running):
+            tr.finish(a)
+        for a in step:
+            tr.start(a)
+    for a in list(tr.running):
+        tr.finish(a)
+    tr.end()
 
 
 def train(model: TransitionModel, graphs: Mapping[str, AgentStepGraph], runs: Iterable[TraceRun]) -> None:

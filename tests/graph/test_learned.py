@@ -232,3 +232,170 @@ def test_saves_from_many_threads_at_once_all_land(tmp_path):
     assert errors == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["transitions.json"]
     assert TransitionModel.from_json(path.read_text()).counts("app") == model.counts("app")
+
+
+# ---------------------------------------------------------------------------- context (second order)
+def react_graph() -> AgentStepGraph:
+    """A planner fans out to a ReAct agent (agent -> tools -> agent), then a writer: the agent's
+    choice (tools or on to the writer) depends on where it came from, not on the agent alone."""
+    g = AgentStepGraph("react")
+    g.add_edge(START, "planner")
+    g.add_edge("planner", "agent")
+    g.add_edge("agent", "tools", conditional=True)
+    g.add_edge("agent", "writer", conditional=True)
+    g.add_edge("tools", "agent")
+    g.add_edge("writer", END)
+    return g
+
+
+def _replay(tr: LearnedTracker, *steps) -> None:
+    for agents in steps:
+        for a in list(tr.running):
+            tr.finish(a)
+        for a in agents:
+            tr.start(a)
+
+
+def _brute_expected(g: AgentStepGraph, m: TransitionModel, app: str, start: str, came_from,
+                    horizon: int = 8) -> dict[str, float]:
+    """Reference: shortest expected distance by enumerating every path of up to ``horizon``
+    edges from ``start`` (reached from ``came_from``), each edge 1 / P(v | u, reached from)."""
+    best = {a: INF for a in g.agents}
+    best[start] = 0.0
+    stack = [(start, came_from, 0.0, 0)]
+    while stack:
+        u, w, d, k = stack.pop()
+        if k == horizon:
+            continue
+        for v in g.successors(u):
+            p = m.probability(app, g, u, v, after=w)
+            if p > 0:
+                nd = d + 1.0 / p
+                best[v] = min(best[v], nd)
+                stack.append((v, u, nd, k + 1))
+    return best
+
+
+def test_context_tells_a_react_agents_first_turn_from_its_answer():
+    g = react_graph()
+    m = TransitionModel()
+    tr = LearnedTracker(g, m)
+    for _ in range(6):
+        _replay(tr, ["planner"], ["agent"], ["tools"], ["agent"], ["writer"])
+        for a in list(tr.running):
+            tr.finish(a)
+        tr.end()
+    # first order: from "agent" it is 50/50 tools or writer, whichever turn it is
+    assert m.counts("react") == {("agent", "tools"): 6, ("agent", "writer"): 6}
+    assert m.probability("react", g, "agent", "writer") == pytest.approx(0.5)
+    # second order: after the planner it calls the tool, after the tool it answers
+    assert m.context_counts("react") == {("planner", "agent", "tools"): 6, ("tools", "agent", "writer"): 6}
+    p_tools = m.probability("react", g, "agent", "tools", after="planner")
+    # backed off to what the other context saw (tools never after a tool): (0 + 1) / (6 + 2)
+    assert p_tools == pytest.approx((6 + 2 * (1 / 8)) / (6 + 2))
+    assert m.probability("react", g, "agent", "writer", after="tools") == pytest.approx(p_tools)
+
+    q = LearnedTracker(g, m, learn=False)
+    _replay(q, ["planner"], ["agent"])
+    assert q.contexts() == {"agent": {"planner"}}
+    first_turn = q.expected_ste()
+    assert first_turn["tools"] == pytest.approx(1 / p_tools)
+    assert first_turn["writer"] == pytest.approx(1 / p_tools + 1 + 1 / p_tools)  # tool, back, answer
+    assert q.wire_ste()["writer"] == 4                  # 3.56 after 6 runs: 3 is the truth
+    _replay(q, ["tools"], ["agent"])
+    assert q.contexts() == {"agent": {"tools"}}
+    answering = q.expected_ste()
+    assert answering["writer"] == pytest.approx(1 / p_tools)
+    assert q.wire_ste()["writer"] == 1                  # first order said 2 on both turns
+    assert m.wire_ste(g, {"agent"})["writer"] == 2
+    # the pass over (agent, reached from) states equals enumerating every path
+    for ctx, got in (("planner", first_turn), ("tools", answering)):
+        assert got == pytest.approx(_brute_expected(g, m, "react", "agent", ctx))
+
+
+def test_context_of_fanned_out_instances_and_backoff_without_evidence():
+    g = react_graph()
+    m = TransitionModel()
+    # no context evidence: the context distribution is the first-order one
+    m.observe("react", "agent", "tools", 3)
+    first = m.distribution("react", "agent", ["tools", "writer"])
+    assert m.distribution("react", "agent", ["tools", "writer"], after="planner") == first
+    # ... and an agent always reached from one predecessor: that context says nothing new
+    m.observe_after("react", "planner", "agent", "tools", 3)
+    assert m.distribution("react", "agent", ["tools", "writer"], after="planner") == pytest.approx(first)
+    tr = LearnedTracker(g, m, learn=False)
+    tr.start("planner", step=1)
+    tr.finish("planner")
+    tr.start("agent", step=2)                         # a Send fan-out: two instances
+    tr.start("agent", step=2)
+    tr.finish("agent")                                # one calls its tool first
+    tr.start("tools", step=3)
+    tr.finish("tools")
+    tr.start("agent", step=4)                         # ... and is back while the other still runs
+    assert tr.contexts() == {"agent": {"planner", "tools"}}
+    ste = tr.expected_ste()
+    assert ste == tr.model.expected_ste(g, {"agent"}, after={"agent": {"planner", "tools"}})
+    tr.finish("agent")                                # the oldest instance goes first
+    assert tr.contexts() == {"agent": {"tools"}}
+    tr.cancel("agent")
+    assert tr.contexts() == {}
+    # an agent whose start followed none of its predecessors has no context (first order)
+    tr2 = LearnedTracker(g, m, learn=False)
+    _replay(tr2, ["planner"], ["writer"])
+    assert tr2.contexts() == {"writer": {None}}
+
+
+def test_context_counts_round_trip_merge_and_old_files(tmp_path):
+    m = TransitionModel()
+    m.observe("react", "agent", "tools", 2)
+    m.observe_after("react", "planner", "agent", "tools", 2)
+    p = tmp_path / "m.json"
+    m.save(p)
+    m2 = TransitionModel.load(p)
+    assert m2.context_counts("react") == {("planner", "agent", "tools"): 2}
+    m2.merge(m)
+    assert m2.count("react", "agent", "tools", after="planner") == 4
+    old = TransitionModel.from_json('{"kvflow_transitions": 1, "prior": 1.0, "counts": {"a": {"x": {"y": 1}}}}')
+    assert old.counts("a") == {("x", "y"): 1} and old.context_counts("a") == {}
+    with pytest.raises(GraphError):
+        TransitionModel.from_json('{"kvflow_transitions": 1, "counts": {}, "after": {"a": {"x": 3}}}')
+    m2.reset("react")
+    assert m2.context_counts("react") == {} and m2.counts("react") == {}
+
+
+def test_replayed_react_runs_are_predicted_better_with_context():
+    g = react_graph()
+    runs = [TraceRun("react", [["planner"], ["agent"], ["tools"], ["agent"], ["writer"]]) for _ in range(20)]
+    rep = evaluate_predictions({"react": g}, runs, TransitionModel(), learn=True)
+    # the agent's two decisions per run: first order ties them (credit 1/2 each), the context
+    # row gets both right once learned
+    assert rep.learned_accuracy > 0.9 > 0.75 >= rep.exact_accuracy
+
+
+def test_a_fan_outs_exit_is_counted_once_per_instance():
+    """Three instances of a ReAct agent (a Send fan-out) each call the tool once and then all
+    leave for the one writer: 3 tool calls and 3 exits, not 3 and 1."""
+    g = react_graph()
+    m = TransitionModel()
+    tr = LearnedTracker(g, m)
+    for agents in (["planner"], ["agent"] * 3, ["tools"] * 3, ["agent"] * 3, ["writer"]):
+        for a in list(tr.running):
+            while a in tr.running:
+                tr.finish(a)
+        for a in agents:
+            tr.start(a)
+    assert m.count("react", "agent", "writer") == 1   # the writer's start: one so far
+    tr.finish("writer")
+    tr.end()                                           # its step is complete: topped up
+    assert m.counts("react") == {("agent", "tools"): 3, ("agent", "writer"): 3}
+    assert m.context_counts("react") == {("planner", "agent", "tools"): 3, ("tools", "agent", "writer"): 3}
+    # a fan-out into as many successors as instances is counted start by start, not topped up
+    m2 = TransitionModel()
+    tr2 = LearnedTracker(g, m2)
+    for agents in (["planner"], ["agent"] * 2, ["tools"] * 2, ["agent"]):
+        for a in list(tr2.running):
+            while a in tr2.running:
+                tr2.finish(a)
+        for a in agents:
+            tr2.start(a)
+    assert m2.counts("react") == {("agent", "tools"): 2}
