@@ -248,8 +248,6 @@ class RequestSession:
                         first = book.prompts_seen(h.workflow, h.agent, app=h.app) == 0
                         if book.infer_boundary(h.workflow, h.agent, self.tokens, app=h.app) >= up or first:
                             b = up
-                    if h.app:  # a template after the fixed messages (TagBook.app_template_len)
-                        b = max(b, book.app_template_len(h.app, h.agent, h.workflow, self.tokens))
                 if self.fixed_len is not None or b > 0:
                     book.tag_fixed_prefix(self.tokens, b, h.workflow, h.agent, app=h.app)
 

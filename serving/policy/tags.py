@@ -16,8 +16,7 @@ It knows the engine's tree only through callables, so the same book runs over ou
   prefetcher's candidates are ``near & host`` without a scan.
 
 Also here: the fixed-prefix boundary when none is declared (what an agent's recent prompts
-share, :func:`~.boundary.infer_boundary`), past a declared one (what its prompts share across
-the app's workflow instances, :meth:`TagBook.app_template_len`) and per-app prefix memory (a new workflow instance of
+share, :func:`~.boundary.infer_boundary`) and per-app prefix memory (a new workflow instance of
 an app protects an agent's prefix from its first hint, before the agent runs in it).
 
 Invariants (checked by ``inspection.check_invariants``): B1 a record's node is alive and is the
@@ -33,7 +32,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .boundary import common_prefix_len, infer_boundary
+from .boundary import infer_boundary
 from .hints import HintRegistry, workflow_key
 from .priority import PriorityIndex
 
@@ -78,8 +77,6 @@ class TagBook:
         self._history: dict[Tag, deque] = {}
         # (app, agent) -> that agent's fixed prefix, remembered across workflow instances
         self._app_prefix: "OrderedDict[tuple[str, str], tuple]" = OrderedDict()
-        # (app, agent) -> [(workflow, first prompt)] of its last infer_window instances
-        self._app_prompts: "OrderedDict[tuple[str, str], deque]" = OrderedDict()
 
     # ------------------------------------------------------------------ reads
     def node_of(self, tag: Tag):
@@ -168,33 +165,6 @@ class TagBook:
         prompts share (0 until two are seen). Records ``tokens`` in its history."""
         lcp = infer_boundary(self._history, (workflow_key(workflow, app), agent), tokens,
                              self.infer_window)
-        return lcp // self.page_size * self.page_size
-
-    APP_PROMPT_TOKENS = 8192  # of each instance's prompt kept for app_template_len
-
-    def app_template_len(self, app: str, agent: str, workflow: str, tokens: Sequence[int]) -> int:
-        """The page-aligned prefix ``agent``'s prompts share across the app's last
-        ``infer_window`` workflow instances (0 until a second instance is seen); records this
-        prompt, once per instance. A declared boundary ends with the fixed *messages*; the
-        constant start of the next one (a user prompt's template: instructions before the
-        question) is as fixed, and only comparing instances shows it (within one instance its
-        agents share the question too)."""
-        key = (app, agent)
-        hist = self._app_prompts.get(key)
-        if hist is None:
-            hist = self._app_prompts[key] = deque(maxlen=max(2, self.infer_window))
-            while len(self._app_prompts) > self.max_app_prefixes:
-                self._app_prompts.popitem(last=False)
-        self._app_prompts.move_to_end(key)
-        t = tuple(tokens[:self.APP_PROMPT_TOKENS])
-        if all(w != workflow for w, _ in hist):
-            hist.append((workflow, t))
-        others = [p for w, p in hist if w != workflow]
-        if not others:
-            return 0
-        lcp = len(t)
-        for p in others:
-            lcp = common_prefix_len(t, p, lcp)
         return lcp // self.page_size * self.page_size
 
     # ------------------------------------------------------------------ hints

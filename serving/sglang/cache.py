@@ -517,10 +517,6 @@ class KVFlowRadixCache(UnifiedRadixCache):
             if cached < boundary // ps * ps:
                 return False  # chunked prefill: not all of the fixed prefix is cached yet
         prompt = list(req.origin_input_ids)  # (not copied per chunk while the prefix fills)
-        if info.fixed_tokens is not None and info.app:
-            # a template after the fixed messages (TagBook.app_template_len); once per request:
-            # this runs again only while the declared prefix is still being prefilled
-            boundary = max(boundary, book.app_template_len(info.app, info.agent, info.workflow, prompt))
         if info.fixed_tokens is None:
             boundary = book.infer_boundary(info.workflow, info.agent, prompt, info.app)
             if boundary:

@@ -151,36 +151,3 @@ def test_finish_before_admission_and_twice_is_harmless():
     with pytest.raises(RuntimeError):
         s.poll()
     m.check_invariants()
-
-
-def test_a_template_after_the_fixed_messages_is_tagged_once_two_instances_share_it():
-    """The declared boundary (the system message) ends at token 8; every workflow instance of
-    the app starts the next message with the same 6 tokens (a template) before its question.
-    Within one instance the agent's calls share the question too, so only instances tell the
-    template from the question: the second instance tags through the template (page-aligned
-    down), a later instance whose template differs tags back to what is shared."""
-    m = make_manager("kvflow", page_size=2, device_pages=64, host_pages=64)
-    system, template = list(range(100, 108)), [7, 7, 7, 7, 7, 7]
-
-    def call(wf, question, tmpl=template):
-        h = SimpleNamespace(workflow=wf, agent="A", ste={"A": 0}, step=0, app="app", event=None)
-        prompt = system + tmpl + question
-        s = m.arrive(prompt, h, fixed_len=len(system), kv_tokens=len(prompt) + 2)
-        assert s.admit()
-        s.commit()
-        s.finish(prompt, len(prompt))
-        return m.fixed_prefix_len(wf, "A", app="app")
-
-    assert call("q1", [1, 2, 3]) == 8                  # one instance: the declared boundary
-    assert call("q1", [1, 2, 3, 4]) == 8               # its own calls share the question: no claim
-    assert call("q2", [5, 6, 7]) == 14                 # two instances: through the template
-    assert m.tags.app_template_len("app", "A", "q2", system + template + [5, 6, 7]) == 14
-    assert call("q3", [9, 9], tmpl=[7, 7, 7, 8, 8, 8]) == 10   # a new template: what is shared
-    # no app: nothing to compare across, the declared boundary only
-    h = SimpleNamespace(workflow="q4", agent="A", ste={"A": 0}, step=0, app=None, event=None)
-    s = m.arrive(system + template + [1], h, fixed_len=8, kv_tokens=20)
-    assert s.admit()
-    s.commit()
-    assert m.fixed_prefix_len("q4", "A") == 8
-    s.finish(s.tokens, len(s.tokens))
-    m.check_invariants()

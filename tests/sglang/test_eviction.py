@@ -307,17 +307,3 @@ def test_eviction_strategy_adapter_orders_a_foreign_tree():
     assert [heapq.heappop(heap)[2] for _ in range(3)] == [c, a, b]  # +inf, then STE 1, then 0
     lru = EvictionStrategyAdapter("lru", index)
     assert sorted((a, b, c), key=lru.get_priority) == [b, c, a]
-
-
-def test_a_template_after_the_declared_prefix_is_tagged_across_workflow_instances():
-    """The same rule as the embedded engine's (TagBook.app_template_len): an app's agent whose
-    prompts, in two workflow instances, share 8 tokens past the declared boundary (a user
-    message's template) is tagged through them in the second instance."""
-    kit, cache, alloc, r2t = build(page_size=4)
-    system, template = seq(100, 16), seq(900, 8)
-    q1, q2 = system + template + seq(3000, 8), system + template + seq(4000, 8)
-    run_request(kit, cache, alloc, r2t, q1, hints("w1", "A", {"A": 0}, fixed_tokens=16, app="peer"))
-    assert cache.kv_book.fixed_prefix_len("w1", "A", app="peer") == 16
-    run_request(kit, cache, alloc, r2t, q2, hints("w2", "A", {"A": 0}, fixed_tokens=16, app="peer"))
-    assert cache.kv_book.fixed_prefix_len("w2", "A", app="peer") == 24
-    cache.sanity_check()
