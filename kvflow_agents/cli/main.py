@@ -33,6 +33,8 @@ _COMMAND_MODULES = [
     "kvflow_agents.cli.serve_cmds",
     "kvflow_agents.cli.policy_cmds",
     "kvflow_agents.cli.bench_cmds",
+    "kvflow_agents.cli.bench_peer_cmds",
+    "kvflow_agents.cli.bench_aiperf_cmds",
     "kvflow_agents.cli.bench_engine_cmds",
     "kvflow_agents.cli.reliability_cmds",
     "kvflow_agents.cli.cluster_cmds",

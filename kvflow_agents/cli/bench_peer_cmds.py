@@ -1,0 +1,142 @@
+"""``kvflow bench peer``: the PEER example (LangGraph or AutoGen) as the workload, one embedded
+server per policy (helpers shared with ``bench workflow`` live in :mod:`.bench_cmds`)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from .bench_cmds import (
+    _DEFAULT_POLICIES,
+    _HINTS_HELP,
+    _VARIANT_HELP,
+    _hint_mode,
+    _policies,
+    _policy_variants,
+    _round_page,
+    _run_and_report,
+    _runs_policy,
+    _variants_json,
+    command_line,
+)
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    @bench_app.command("peer")
+    def peer(
+        framework: str = typer.Option("langgraph", help="langgraph (the PEER example) or autogen."),
+        questions: int = typer.Option(2, min=1, help="Measured questions (one workflow each)."),
+        ids: Optional[str] = typer.Option(None, help="Comma-separated question ids (overrides --questions)."),
+        warmup_questions: int = typer.Option(1, min=0, help="Unmeasured warm-up questions first."),
+        jump: str = typer.Option("expressing", help="Where a failed review goes: expressing | planning."),
+        max_rounds: int = typer.Option(2, min=1, help="Most reviews per question."),
+        max_tokens: int = typer.Option(48, min=1, help="Max completion tokens per call."),
+        policies: str = typer.Option(_DEFAULT_POLICIES, help="Comma-separated: lru,hicache,kvflow,oracle."),
+        model: str = typer.Option("smollm2-135m", help="Model preset for the embedded servers."),
+        device_tokens: Optional[int] = typer.Option(
+            None, help="Device KV pool (tokens). Default: --device-fraction of the 4 agents' fixed "
+                       "prompts, at least what the largest fan-out needs."),
+        device_fraction: float = typer.Option(0.6, help="Default device pool as a fraction of the fixed prompts."),
+        host_tokens: int = typer.Option(16384, min=0, help="Host KV pool (tokens)."),
+        page_size: int = typer.Option(16, min=1, help="Tokens per KV page."),
+        host_link_gbps: Optional[float] = typer.Option(
+            None, help="Emulated host link (GB/s). Default: calibrated (load = --load-fraction x recompute)."),
+        load_fraction: float = typer.Option(1 / 3, show_default="1/3",
+                                            help="Calibration target: load time / recompute time."),
+        lookahead: int = typer.Option(1, min=0, help="Server prefetch lookahead (STE)."),
+        base_url: Optional[str] = typer.Option(None, help="Measure this running server (…/v1) instead."),
+        served_model: Optional[str] = typer.Option(None, help="Model name sent with --base-url."),
+        api_key: Optional[str] = typer.Option(None, envvar="KVFLOW_API_KEY", help="API key for the server(s)."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here ('-': stdout only)."),
+        plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
+        raw: bool = typer.Option(False, help="Include every LLM call's record in the JSON."),
+        seed: int = typer.Option(0, help="Sampling seed sent to the server."),
+        hints: str = typer.Option("on", help=_HINTS_HELP),
+        hint_lag: int = typer.Option(2, min=1, help="--hints stale: STE map from this many requests earlier."),
+        policy_variant: Optional[List[str]] = typer.Option(None, help=_VARIANT_HELP),
+        next_run: bool = typer.Option(True, help="The app's hints name the next question's planner while "
+                                      "the reviewer runs (kvflow.instrument(next_run=True)): questions come "
+                                      "one after another."),
+        wide: bool = typer.Option(False, help="Every table row (the default table fits 80 columns)."),
+        progress: bool = typer.Option(True, help="Progress bars."),
+    ) -> None:
+        """The PEER example (plan / parallel execute / express / review) as the workload."""
+        from rich.console import Console
+
+        from kvflow_agents.bench import report
+
+        if framework not in ("langgraph", "autogen"):
+            raise typer.BadParameter("choose langgraph or autogen", param_hint="--framework")
+        if jump not in ("expressing", "planning"):
+            raise typer.BadParameter("choose expressing or planning", param_hint="--jump")
+        if host_link_gbps is not None and host_link_gbps <= 0:
+            raise typer.BadParameter("must be > 0", param_hint="--host-link-gbps")
+        if not 0 < device_fraction <= 10:
+            raise typer.BadParameter("must be in (0, 10]", param_hint="--device-fraction")
+        if not 0 < load_fraction <= 10:
+            raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
+        _hint_mode(hints)
+        pols, variants = _policy_variants(policy_variant, _policies(policies))
+        if variants and base_url:
+            raise typer.BadParameter("passes options to the embedded servers this command starts; "
+                                     "not with --base-url", param_hint="--policy-variant")
+        console = Console(stderr=json_out == "-")
+        from kvflow_agents.bench import peer as peer_bench
+
+        try:
+            peer_bench.check_available(framework)
+        except peer_bench.PeerUnavailable as e:
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from None
+        opts = peer_bench.PeerOptions(questions=questions, ids=ids.split(",") if ids else None,
+                                      warmup_questions=warmup_questions, jump=jump, max_rounds=max_rounds,
+                                      max_tokens=max_tokens, seed=seed, framework=framework,
+                                      hints=hints, hint_lag=hint_lag, next_run=next_run)
+        try:
+            qs, warm = peer_bench.pick_questions(opts)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--ids") from None
+        meta: dict = {"bench": "peer", "framework": framework, "options": opts.as_dict(),
+                      "questions": [q.id for q in qs], "warmup": [q.id for q in warm],
+                      "policies_run": pols}
+        server = None
+        if not base_url:
+            from kvflow_agents.bench.runner import ServerConfig
+
+            fixed_toks = peer_bench.fixed_prompt_tokens(model)
+            total = sum(fixed_toks.values())
+            need = peer_bench.min_device_tokens(fixed_toks, max_tokens, page_size)
+            dev = device_tokens if device_tokens is not None else max(
+                _round_page(device_fraction * total, page_size), need)
+            link = host_link_gbps
+            if link is None and _runs_policy(pols, variants, ("hicache", "kvflow")):
+                from kvflow_agents.bench.calibrate import calibrate_link
+                from kvflow_agents.bench.workload import token_counter
+
+                console.print(f"[dim]calibrating the emulated host link on {model} …[/]")
+                cal = calibrate_link(model, int(sum(fixed_toks.values()) / len(fixed_toks)),
+                                     counter=token_counter(model), dynamic=64, page_size=page_size,
+                                     load_fraction=load_fraction, samples=2)
+                console.print(cal.describe())
+                meta["calibration"] = cal.as_dict()
+                link = cal.link_gbps
+            console.print(f"fixed prompts {fixed_toks} = {total} tokens; device pool {dev} tokens "
+                          f"({dev / total:.0%}); host pool {host_tokens}; host link "
+                          + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
+            server = ServerConfig(model=model, device_tokens=dev, host_tokens=host_tokens,
+                                  page_size=page_size, host_link_gbps=link, lookahead=lookahead,
+                                  variants=variants)
+            meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host_tokens,
+                              "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
+                              "fixed_prompt_tokens": fixed_toks,
+                              "variants": _variants_json(variants)}
+        meta["command"] = command_line("peer")
+        title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "
+                 f"{model}, max_tokens {max_tokens}" + ("" if hints == "on" else f", hints: {hints}"))
+        _run_and_report(
+            lambda hook, log: peer_bench.run_peer_bench(qs, warm, opts, pols, server, base_url=base_url,
+                                                        model=served_model or model, api_key=api_key,
+                                                        progress=hook, keep_raw=raw, log=log),
+            console, meta, title=title, targets=report.PEER_TARGETS if not base_url else (),
+            progress=progress, raw=raw, json_out=json_out, plot_out=plot_out, wide=wide)
