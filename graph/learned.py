@@ -350,9 +350,9 @@ class TransitionModel:
         ctx = self._after.get(app, {}).get(src, {}).get(after) if after is not None else None
         if not ctx:
             return first
+        strength = self.prior * len(candidates)  # the back-off's weight, as the prior's
         rest = [max(0, n - ctx.get(v, 0)) for v, n in zip(candidates, ns)]
-        rest_total = sum(rest) + self.prior * len(candidates)
-        strength = self.prior * len(candidates)
+        rest_total = sum(rest) + strength
         total = sum(ctx.get(v, 0) for v in candidates) + strength
         return {v: (ctx.get(v, 0) + strength * (r + self.prior) / rest_total) / total
                 for v, r in zip(candidates, rest)}
