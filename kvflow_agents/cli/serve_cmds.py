@@ -41,6 +41,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                  "stays cached; a little more cached in a tight pool), or whole radix nodes as "
                  "SGLang does (the default: keeps each prefix in fewer page runs, which this "
                  "engine's attention reads faster; `kvflow bench layout`)."),
+        lazy_decode_pages: bool = typer.Option(
+            True, "--lazy-decode-pages/--upfront-decode-pages",
+            help="Allocate a request's decode pages as it writes them (the default, as SGLang "
+                 "and vLLM; admission still reserves prompt + max_tokens, and the pages not "
+                 "written yet hold cache meanwhile) or all of them at admission."),
         admission: Optional[str] = typer.Option(
             None, help="Order waiting requests are admitted in: fcfs (their arrival) or workflow "
                        "(the oldest workflow's call first). Default: the policy's (kvflow: "
@@ -151,6 +156,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
+                           lazy_decode_pages=lazy_decode_pages,
                            admission=admission, lease_s=lease_s,
                            default_max_tokens=max_tokens_default,
                            max_prefill_tokens=max_prefill_tokens, record_path=record,
@@ -174,7 +180,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"{host_tokens if eng.policy.host_tier else 0} tokens, page {page_size}; "
                    f"host link: {link}; lookahead {lookahead}; max batch {max_batch}; "
                    f"admission {eng.manager.admission.order}; eviction "
-                   f"{'partial nodes' if partial_eviction else 'whole nodes'}")
+                   f"{'partial nodes' if partial_eviction else 'whole nodes'}; decode pages "
+                   f"{'lazy' if lazy_decode_pages else 'upfront'}")
         typer.echo(f"  OpenAI base URL: {url}   (KVFlow: {url[:-3]}/kvflow/v1/cache, /metrics)"
                    + (f"   [API key required; {len(keys)} tenant(s)]" if keys else "")
                    + ("   [deterministic]" if deterministic else ""))

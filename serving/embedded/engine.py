@@ -55,9 +55,9 @@ One scheduler step: first poll of new arrivals (hit, pin, start on-demand loads 
 prefixes) → ``manager.tick()`` (finish due loads, start prefetches from the planner's plan) →
 admit ready requests in the policy's admission order (kvflow: the oldest workflow's call first,
 ``serving/policy/admission.py``; status-aware: loading ones are skipped, see ``scheduler.py``; pages for
-prompt + max_tokens are reserved at admission) → chunked prefill (``max_prefill_tokens`` per
-step, reusing each request's cached device prefix) → one batched decode over all running
-requests whose prefill is done.
+prompt + max_tokens are reserved at admission, the decode ones allocated as they are written) →
+chunked prefill (``max_prefill_tokens`` per step, reusing each request's cached device prefix)
+→ one batched decode over all running requests whose prefill is done.
 
 With ``host_link_gbps`` the pool *emulates* a GPU's host link: a load's bytes are copied at real
 speed in the background but its pages only become usable at ``start + bytes / (X GB/s)``; this
@@ -151,7 +151,8 @@ class Engine:
             lease_s=cfg.lease_s, bytes_per_page=self.pool.bytes_per_page,
             link_bytes_per_s=cfg.host_link_gbps * 1e9 if cfg.host_link_gbps else None,
             reserve_window=2 * cfg.max_batch,  # prefetch never takes what queued work needs
-            admission=cfg.admission, partial_eviction=cfg.partial_eviction)
+            admission=cfg.admission, partial_eviction=cfg.partial_eviction,
+            lazy_decode=cfg.lazy_decode_pages)
         status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware
         self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
                                    max_skip_s=cfg.max_skip_s)
@@ -425,8 +426,7 @@ class Engine:
             progress = True
         progress |= self._prefill()
         if any(r.output_ids for r in sched.running):
-            self._decode()
-            progress = True
+            progress |= self._decode()
         return progress
 
     # -- failure isolation -------------------------------------------------------------------
@@ -578,8 +578,15 @@ class Engine:
         shape = kv.shape[:2] + (extra,) + kv.shape[3:]
         self.pool.device_kv = torch.cat([kv, torch.zeros(shape, dtype=kv.dtype, device=kv.device)], 2)
 
-    def _decode(self) -> None:
+    def _decode(self) -> bool:
+        """One batched decode step; False if none could run (their next pages wait for a load)."""
         running = [r for r in self.scheduler.running if r.output_ids]  # prefill done
+        if self.manager.lazy_decode:  # each writes one KV slot: its page must be there
+            running = [r for r in running if self._guard(r, "decode page allocation", r.session.grow,
+                                                          len(r.prompt_ids) + len(r.output_ids))]
+            self._ensure_device_capacity()
+            if not running:
+                return False
         n0 = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in running]
         seqs = [(r.output_ids[-1], r.pages, pos) for r, pos in zip(running, n0)]
         # CUDA: the stream waits for every load (free); CPU: only for pages this step writes
@@ -596,6 +603,7 @@ class Engine:
         for r, pick in zip(running, picks):
             if pick is not None and r.state is RequestState.RUNNING:
                 self._guard(r, "sampling", self._emit, r, *pick)
+        return True
 
     def _decode_logits(self, seqs: list):
         """One decode step for ``seqs`` (each writes only its own KV slot, so re-running a

@@ -48,6 +48,12 @@ class EngineConfig:
     # elsewhere (32 workflows at 10 %, PEER), so they are the default here. (The policy core's
     # own default stays partial: the simulator's GPU cost model pays nothing per page run.)
     partial_eviction: bool = False
+    # Allocate a request's decode pages as it writes them (True, as SGLang and vLLM do) or all
+    # of prompt + max_tokens at admission. Admission reserves them either way (a running
+    # request never runs out); lazily, the pages it has not written yet hold cache meanwhile,
+    # e.g. the next agent's prefetch while a request with max_tokens 240 writes 60 tokens
+    # (bench/RESULTS.md 6.14).
+    lazy_decode_pages: bool = True
     max_inflight_loads: int = 4
     lease_s: float = 60.0
     max_prefill_tokens: int = 1024        # prompt tokens prefilled per scheduler step (chunked)

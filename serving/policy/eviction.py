@@ -122,9 +122,12 @@ class Evictor:
         return None
 
     # ------------------------------------------------------------------ device
-    def _evict_device(self, need: int, reason: str, above: float | None = None) -> int:
+    def _evict_device(self, need: int, reason: str, above: float | None = None,
+                      partial: bool | None = None) -> int:
         """Free >= ``need`` device pages (best effort). With ``above``, only nodes whose
-        priority is strictly larger than ``above`` may go (prefetch: no thrash)."""
+        priority is strictly larger than ``above`` may go (prefetch: no thrash). ``partial``
+        overrides ``partial_eviction`` (split the last victim, its head stays)."""
+        split = self.partial_eviction if partial is None else partial
         freed = 0
         index = self.index
         self.evict_floor = above
@@ -137,7 +140,7 @@ class Evictor:
                 self._reindex(n)
                 break
             rest = need - freed
-            if self.partial_eviction and len(n.device_pages) > rest:
+            if split and len(n.device_pages) > rest:
                 # Evict only the tail that is needed; the head stays a usable prefix.
                 self.tree.split(n, (len(n.device_pages) - rest) * self.page_size)
             freed += self._evict_device_node(n, prio, reason)

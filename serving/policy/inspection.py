@@ -76,7 +76,7 @@ def snapshot(mgr) -> dict:
 
 def check_invariants(mgr, *, priorities: bool = True) -> None:
     """Assert every structural invariant (tests; O(nodes), O(nodes x depth) with priorities):
-    the tree's T1-T4, the store's M1-M2, the book's B1-B3, the tracker's L1."""
+    the tree's T1-T4, the store's M1-M2, the book's B1-B3, the tracker's L1, the sessions' S2."""
     store, book, loads = mgr.store, mgr.tags, mgr.loads
     tree, index, ps = store.tree, book.index, store.page_size
     for ste in (0, 1, 2, math.inf):  # the memoised prefetch budget equals a fresh count
@@ -131,5 +131,8 @@ def check_invariants(mgr, *, priorities: bool = True) -> None:
         on_host = rec.node is not None and rec.node.state is HOST
         assert on_host == (tag in book.host_tags), ("B2 host-tag set out of sync", tag)
         assert (book.effective_ste(tag) <= book.lookahead) == (tag in book.near), f"B3 {tag}"
+    for s in mgr.admitted_sessions:  # S2: a running session's pages + reserve cover kv_tokens
+        assert s.decode_reserved >= 0 and (not s.decode_reserved or mgr.lazy_decode), s
+        assert len(s.pages) + s.decode_reserved == max(1, -(-s.kv_tokens // ps)), "S2"
     assert loads.inflight_prefetch == sum(
         1 for ld in loads.inflight_loads() if ld.kind == "prefetch"), "L1"

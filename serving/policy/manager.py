@@ -20,8 +20,9 @@ once per scheduler step. The lower-level calls stay public for tests and tools:
 ``free`` / ``insert`` / ``tag_fixed_prefix`` / ``infer_fixed_prefix`` / ``update_hints`` /
 ``release_workflow`` (see the parts' docstrings).
 
-Prefetch budget (M5): the reserve is what waiting sessions will still allocate (the first
-``reserve_window`` of them in admission order; all by default), unless ``set_reserved_pages`` (or
+Prefetch budget (M5): the reserve is what waiting sessions will still allocate or reserve (the
+first ``reserve_window`` of them in admission order; all by default) and, with lazy decode, the
+next page of each running session still growing, unless ``set_reserved_pages`` (or
 ``reserve_pages=``) gives an int or a callable. A prefetch for STE ``s`` starts only if its pages
 fit in free + evictable-above-``s`` - reserve. Load versus recompute (off unless the engine gives
 an estimate: ``recompute_s_per_token``, ``recompute_cost(n, ctx)``, or ``observe_prefill``):
@@ -81,8 +82,10 @@ class KVCacheManager:
                  recompute_s_per_token: float | None = None,
                  recompute_cost: Callable[[int, int], float] | None = None,
                  min_partial_prefetch_pages: int = 4, admission: str | None = None,
-                 admission_max_age_s: float = 600.0) -> None:
+                 admission_max_age_s: float = 600.0, lazy_decode: bool = False) -> None:
         self.policy = get_policy(policy)
+        # sessions allocate decode pages as they reach them (session.grow), not at admission
+        self.lazy_decode = lazy_decode
         # the order engines admit waiting sessions in (``session.admission_key``); None: the policy's
         self.admission = AdmissionOrder(admission or self.policy.admission, max_age_s=admission_max_age_s)
         self.page_size = page_size
@@ -153,6 +156,19 @@ class KVCacheManager:
     def admitted_sessions(self) -> list[RequestSession]:
         return list(self._running.values())
 
+    @property
+    def decode_reserved(self) -> int:
+        """Pages running sessions were admitted for but have not allocated yet (lazy decode)."""
+        return sum(s.decode_reserved for s in self._running.values())
+
+    def room_for(self, n_pages: int) -> bool:
+        """Whether a session may take ``n_pages`` (allocated now or reserved) and leave every
+        running session's reserve coverable by free + evictable pages (session.py, S1)."""
+        if not self.store.policy.evicts:  # a growable pool (oracle)
+            return True
+        store = self.store
+        return store.device.num_free + store.evictable - self.decode_reserved >= n_pages
+
     def unpin_waiting(self, keep: RequestSession | None = None) -> None:
         for s in self._waiting.values():
             if s is not keep:
@@ -177,13 +193,16 @@ class KVCacheManager:
         return self.estimate_load_s(pages) if pages else 0.0
 
     def _session_reserve(self) -> int:
-        """Pages the first ``reserve_window`` waiting sessions (in admission order) will take."""
+        """Pages the first ``reserve_window`` waiting sessions (in admission order) will take,
+        plus (lazy decode) one per running session still growing: its next page, which a
+        prefetch in flight would otherwise make it wait for (session.grow)."""
         waiting, window = self._waiting.values(), self.reserve_window
+        growing = sum(1 for s in self._running.values() if s.decode_reserved) if self.lazy_decode else 0
         if window is not None and len(waiting) > window:
             order = (heapq.nsmallest(window, waiting, key=lambda s: s.admission_key)
                      if self.admission.by_workflow else itertools.islice(waiting, window))
-            return sum(s.reserve_pages() for s in order)
-        return sum(s.reserve_pages() for s in waiting)
+            return growing + sum(s.reserve_pages() for s in order)
+        return growing + sum(s.reserve_pages() for s in waiting)
 
     # ================================================================ time
     def tick(self, now: float | None = None) -> TickReport:

@@ -5,10 +5,10 @@ walks tree nodes; it holds a :class:`RequestSession` per request::
 
     s = manager.arrive(prompt_ids, hints, fixed_len=L, kv_tokens=len(prompt) + max_new)
     p = s.poll()              # each scheduler step while it waits: READY / LOADING / ...
-    if p.ready and s.admit(): # device pages for the whole request: s.pages
+    if p.ready and s.admit(): # device pages for the whole request (lazy: the prompt's): s.pages
         ...prefill with s.pages, reusing the first s.reused tokens...
         s.commit()            # the prompt's KV joins the tree; the agent's fixed prefix is tagged
-        ...decode...
+        ...decode (lazy: s.grow(n) before a step writes token n - 1)...
     s.finish(seq, written)    # what was written joins the tree; own pages freed; unpinned
 
 ``poll`` answers a :class:`Poll` whose ``state`` is a :class:`Readiness`:
@@ -27,6 +27,16 @@ it matched, nor a load started for it, is evicted while it waits. If the device 
 full for the oldest waiting request while nothing runs and nothing loads, the manager unpins
 the other waiting sessions (they look again later); if it still does not fit, ``admit`` raises
 :class:`CacheFullError`.
+
+Decode pages (``KVCacheManager(lazy_decode=True)``, as SGLang and vLLM allocate them): ``admit``
+allocates the prompt's pages and *reserves* the rest of ``kv_tokens`` (``decode_reserved``);
+``grow`` allocates them page by page as decoding reaches them. Until then the reserved pages
+hold cache (a prefetch for the next agent, say) instead of sitting empty: a request with
+``max_tokens=240`` that writes 60 tokens leaves 11 of its 15 decode pages to the cache. Invariant (S1): an
+admission needs ``free + evictable - reserved of all running sessions >= its pages + its
+reserve`` (``manager.room_for``), so a running request's growth can always be met by evicting
+unlocked cache, once waiting sessions' pins are dropped and loads in flight have landed
+(``grow`` does the first and answers False for the second: decode it next step).
 
 The first look records hit counters (``match(record=True)``); the session's ``device_hit`` /
 ``host_hit`` say where its reused tokens were when it arrived, ``loads_read`` the loads this
@@ -85,6 +95,7 @@ class RequestSession:
         self.device_hit = self.host_hit = 0
         self.recompute_host = False
         self.pages: list[int] = []
+        self.decode_reserved = 0         # lazy decode: admitted pages not allocated yet (grow)
         self.own_from = 0                # pages[own_from:] are the request's, not the tree's
         self.reused = 0                  # prompt tokens taken from the cache at admission
         self.ready_at: float | None = None  # an inline load lands then (admit(load_inline=True))
@@ -160,17 +171,29 @@ class RequestSession:
         return Poll(state, reason, None, m.device_len, m.cached_len)
 
     def reserve_pages(self) -> int:
-        """Device pages this waiting request will still allocate (the prefetch budget's reserve)."""
+        """Device pages this waiting request will take at admission, allocated or (lazy decode)
+        reserved: the prefetch budget's reserve. Lazy decode counts its reserve too: admission
+        needs it free or evictable (S1), and a prefetch's pages are neither until it lands."""
         store = self._mgr.store
         p = store.peek(self.tokens)
         have = p.device_len if p.needs_load else p.cached_len
-        return max(0, -(-self.kv_tokens // store.page_size) - have // store.page_size)
+        return max(0, self._total_pages() - have // store.page_size)
+
+    def _total_pages(self) -> int:
+        return max(1, -(-self.kv_tokens // self._mgr.store.page_size))
+
+    def _upfront_pages(self) -> int:
+        """Pages ``admit`` allocates: all of ``kv_tokens``, or (lazy decode) the prompt's."""
+        if not self._mgr.lazy_decode:
+            return self._total_pages()
+        return min(self._total_pages(), max(1, -(-len(self.tokens) // self._mgr.store.page_size)))
 
     # ------------------------------------------------------------------ admission
     def admit(self, *, load_inline: bool = False, recompute_s: float | None = None,
               reuse_align: int = 1) -> bool:
-        """Take device pages for the whole request (``kv_tokens``): the cached prefix's own
-        pages, then new ones. False: not now (memory is short; wait for running requests).
+        """Take device pages for the whole request (``kv_tokens``; lazy decode: the prompt's, and
+        reserve the rest, S1): the cached prefix's own pages, then new ones. False: not now
+        (memory is short; wait for running requests).
         ``load_inline``: a host-only or loading part is waited for inside the engine's batch
         (``ready_at``) instead of beforehand; ``recompute_s`` decides a load started here.
         ``reuse_align``: reuse only whole multiples of it (a deterministic engine's chunk)."""
@@ -197,13 +220,14 @@ class RequestSession:
         reuse = min(usable, (len(self.tokens) - 1) // ps * ps)  # prefill needs >= 1 new token
         reuse -= reuse % max(1, reuse_align)
         prefix = list(pages[:reuse // ps])
-        need = max(1, -(-self.kv_tokens // ps)) - len(prefix)
-        new = store.allocate(need)
+        need = self._upfront_pages() - len(prefix)
+        later = self._total_pages() - self._upfront_pages()
+        new = store.allocate(need) if mgr.room_for(need + later) else None
         if new is None and not mgr.admitted_sessions and not store.loads.in_flight:
             mgr.unpin_waiting(keep=self)  # deadlock breaker: pinned waiters hold the room
-            new = store.allocate(need)
+            new = store.allocate(need) if mgr.room_for(need + later) else None
             if new is None:
-                raise CacheFullError(f"{need} device pages needed; the pool holds "
+                raise CacheFullError(f"{need + later} device pages needed; the pool holds "
                                      f"{store.device.capacity}")
         if new is None:
             return False
@@ -211,6 +235,7 @@ class RequestSession:
             self.load_wait_s += store.backend.now() - self._wait_since
             self._wait_since = None
         self.pages, self.own_from, self.reused = prefix + new, len(prefix), reuse
+        self.decode_reserved = later
         self.host_hit = min(self.host_hit, max(0, reuse - self.device_hit))
         self.device_hit = reuse - self.host_hit
         for ld in store.path_loads(self.tokens[:reuse]):
@@ -222,6 +247,32 @@ class RequestSession:
         return True
 
     # ------------------------------------------------------------------ running
+    def grow(self, n_tokens: int) -> bool:
+        """Lazy decode: make ``pages`` cover the first ``n_tokens`` tokens (call it before a
+        decode step writes token ``n_tokens - 1``), out of the admission's reserve; evicting
+        unlocked cache takes only the tail pages needed. False: not now (a load in flight holds
+        the room; decode this request next step). Raises :class:`CacheFullError` if nothing
+        can free the room (S1 broken: a bug) and ``ValueError`` past ``kv_tokens``."""
+        if self.state != "admitted":
+            raise RuntimeError(f"grow: session is {self.state}")
+        store = self._mgr.store
+        k = -(-n_tokens // store.page_size) - len(self.pages)
+        if k <= 0:
+            return True
+        if k > self.decode_reserved:
+            raise ValueError(f"grow: {n_tokens} tokens are more than the {self.kv_tokens} admitted")
+        new = store.allocate(k, partial=True)
+        if new is None:
+            self._mgr.unpin_waiting()  # waiting sessions' pins give way to running requests
+            new = store.allocate(k, partial=True)
+        if new is None:
+            if store.loads.in_flight:
+                return False
+            raise CacheFullError(f"grow: {k} device pages reserved at admission cannot be freed")
+        self.pages.extend(new)
+        self.decode_reserved -= k
+        return True
+
     def commit(self, n_tokens: int | None = None, seq: Sequence[int] | None = None) -> None:
         """After prefill: the first ``n_tokens`` (default: the prompt) of ``seq`` join the tree
         (the tree takes those pages; the session switches to the tree's copies of duplicates)
@@ -265,6 +316,7 @@ class RequestSession:
             if own:
                 store.free(own)
             self.pages = []
+        self.decode_reserved = 0
         if self.handle is not None:
             store.unlock(self.handle)
             self.handle = None

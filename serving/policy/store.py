@@ -256,20 +256,24 @@ class TieredStore(Evictor, Transfers):
             n = n.parent
 
     # ================================================================ allocation
-    def allocate(self, n_pages: int) -> list[int] | None:
-        return self._alloc_device(n_pages, "alloc")
+    def allocate(self, n_pages: int, *, partial: bool | None = None) -> list[int] | None:
+        """``n_pages`` device pages, evicting by the policy's order when short (None: cannot).
+        ``partial``: take only the tail pages needed from the last victim (None: the store's
+        ``partial_eviction``), e.g. one decode page must not cost a whole prefix."""
+        return self._alloc_device(n_pages, "alloc", partial=partial)
 
     def free(self, pages: Sequence[int]) -> None:
         self.device.free(pages)
 
-    def _alloc_device(self, k: int, reason: str, above: float | None = None) -> list[int] | None:
+    def _alloc_device(self, k: int, reason: str, above: float | None = None,
+                      partial: bool | None = None) -> list[int] | None:
         if k <= 0:
             return []
         dev = self.device
         if dev.num_free < k and self.policy.evicts:
             if above is None and dev.num_free + self.evictable < k:
                 return None  # hopeless: do not evict for nothing
-            self._evict_device(k - dev.num_free, reason, above)
+            self._evict_device(k - dev.num_free, reason, above, partial=partial)
         return dev.alloc(k)
 
     def _alloc_host(self, k: int, for_priority: float) -> list[int] | None:

@@ -29,16 +29,19 @@ def test_serve_help_and_engine_choice():
     assert r.exit_code == 2 and "--admission" in r.output and "fcfs, workflow" in r.output
 
 
-@pytest.mark.parametrize("flags, partial", [([], False), (["--partial-eviction"], True)])
-def test_serve_eviction_flag_reaches_the_store(monkeypatch, flags, partial):
+@pytest.mark.parametrize("flags, partial, lazy", [([], False, True), (["--partial-eviction"], True, True),
+                                                 (["--upfront-decode-pages"], False, False)])
+def test_serve_eviction_flags_reach_the_store(monkeypatch, flags, partial, lazy):
     """``kvflow serve`` builds its engine's store evicting whole nodes unless told to evict
-    partially. The engine is the real one; only uvicorn's loop is replaced."""
+    partially, and its sessions allocating decode pages lazily unless told to take them
+    upfront. The engine is the real one; only uvicorn's loop is replaced."""
     import uvicorn
 
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("store", app.state.engine.manager.store))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("mgr", app.state.engine.manager))
     args = ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags
     r = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
-    assert seen["store"].partial_eviction is partial
+    assert seen["mgr"].store.partial_eviction is partial and seen["mgr"].lazy_decode is lazy
     assert ("eviction partial nodes" if partial else "eviction whole nodes") in r.output
+    assert ("decode pages lazy" if lazy else "decode pages upfront") in r.output

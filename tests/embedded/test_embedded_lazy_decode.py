@@ -1,0 +1,60 @@
+"""Lazy decode pages on the embedded engine (``EngineConfig.lazy_decode_pages``): a running
+request holds the pages it has written, not all of ``max_tokens``, so the next agent's prefix
+stays on device beside it; greedy output is the same as with pages allocated upfront."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvflow_agents.protocol import Hints
+from kvflow_agents.serving.embedded.engine import Engine
+
+
+def _msgs(system: str, user: str) -> list:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def _run(tiny16, lazy: bool):
+    """64 device pages. B's call leaves its ~26-page prefix cached; then A runs with a
+    19-page prompt and max_tokens 600 (38 pages), B next (STE 1). Returns B's prefix tokens
+    on device while A has written 10 tokens, the pages evicted for allocations, A's output."""
+    with Engine(model="tiny-random", policy="kvflow", device_tokens=1024, host_tokens=8192,
+                page_size=16, lazy_decode_pages=lazy, loaded=tiny16) as eng:
+        b_msgs = _msgs("b" * 390, "hi")
+        eng.chat(b_msgs, hints=Hints(workflow="w", agent="B", step=0, ste={"B": 0, "A": 1},
+                                     fixed_messages=1), max_tokens=2)
+        b_prompt = eng.make_request(messages=b_msgs).prompt_ids
+        fixed = eng.call(lambda e: e.manager.fixed_prefix_len("w", "B"))
+        on_device = lambda e: e.manager.peek(b_prompt[:fixed]).device_len  # noqa: E731
+
+        async def a_call():
+            req = eng.make_request(messages=_msgs("a" * 280, "go"), max_tokens=600,
+                                   hints=Hints(workflow="w", agent="A", step=1,
+                                               ste={"A": 0, "B": 1}, fixed_messages=1))
+            req.params.ignore_eos = True
+            req.params.temperature = 0
+            written, mid, done = 0, None, None
+            async for ev in eng.stream(req):
+                written += len(ev.token_ids)
+                if mid is None and written >= 10:
+                    mid = eng.call(on_device)
+                done = ev.done or done
+            return mid, done
+
+        mid_device, done = asyncio.run(a_call())
+        evicted = eng.call(lambda e: e.manager.metrics.evicted_pages.get("device:alloc", 0))
+        assert eng.call(lambda e: e.manager.check_invariants() or True)
+        return fixed, mid_device, evicted, done
+
+
+def test_lazy_decode_keeps_the_next_agents_prefix_beside_a_long_running_request(tiny16):
+    fixed, lazy_mid, lazy_evicted, lazy_done = _run(tiny16, lazy=True)
+    _, up_mid, up_evicted, up_done = _run(tiny16, lazy=False)
+    assert fixed >= 384
+    assert lazy_done.finish_reason == up_done.finish_reason == "length"
+    assert lazy_done.token_ids == up_done.token_ids and len(lazy_done.token_ids) == 600
+    assert lazy_mid == fixed          # B's whole prefix on device while A decodes
+    assert up_mid < fixed             # upfront: A's admission evicted (some of) it
+    # as A wrote its 600 tokens its growth evicted what it needed (B's tail: then, A done, B
+    # is prefetched back), no more than upfront allocation evicted at once
+    assert 0 < lazy_evicted <= up_evicted
