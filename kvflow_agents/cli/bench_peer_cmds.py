@@ -140,3 +140,45 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                                         progress=hook, keep_raw=raw, log=log),
             console, meta, title=title, targets=report.PEER_TARGETS if not base_url else (),
             progress=progress, raw=raw, json_out=json_out, plot_out=plot_out, wide=wide)
+
+    @bench_app.command("pool-bound")
+    def pool_bound(
+        result: str = typer.Argument(..., help="A `kvflow bench peer --raw --json` file."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Also write the numbers here."),
+    ):
+        """What no policy could have had on device with the run's pool: per policy, the reusable
+        prefix tokens missing from device at arrival vs a same-pool lower bound, and the share of
+        hicache's excess over that bound a policy removed (kvflow_agents/bench/pool_bound.py)."""
+        import json
+        from pathlib import Path
+
+        from rich.console import Console
+        from rich.table import Table
+
+        from kvflow_agents.bench.pool_bound import summarize
+
+        try:
+            doc = json.loads(Path(result).read_text())
+            rows = summarize(doc)
+        except (OSError, ValueError) as e:
+            raise typer.BadParameter(str(e), param_hint="RESULT") from None
+        table = Table(title=f"device misses vs the same-pool bound: {Path(result).name}")
+        for col in ("policy", "reusable", "missing", "bound", "same-pool saving"):
+            table.add_column(col, justify="left" if col == "policy" else "right")
+        for name, r in rows.items():
+            sav = r["same_pool_saving"]
+            table.add_row(name, str(r["want_tokens"]), str(r["device_miss"]),
+                          "-" if r["bound"] is None else str(r["bound"]),
+                          "-" if sav is None else f"{sav:.2f}")
+        console = Console()
+        console.print(table)
+        for name, r in rows.items():
+            if r["bound"] is None:
+                per = ", ".join(f"{a} {v['device_miss']}" for a, v in r["by_agent"].items())
+                console.print(f"{name}: missing by agent (its pool grows: no bound): {per}")
+                continue
+            per = ", ".join(f"{a} {v['device_miss']}/{v['bound']}" for a, v in r["by_agent"].items())
+            console.print(f"{name}: missing/bound by agent: {per}")
+        if json_out:
+            Path(json_out).write_text(json.dumps(rows, indent=1))
+
