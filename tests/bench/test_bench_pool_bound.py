@@ -18,14 +18,16 @@ def call(agent, start, latency, prompt, out, dev, host, measured=True, wf=0):
 
 
 def test_the_request_that_just_finished_holds_its_pages_and_a_gap_loads_more():
-    # pool 10 pages of 16; A held 6 pages (80 + 16 tokens) until B arrived; B reuses 6 pages
     a = call("A", 0.0, 1.0, 80, 16, 0, 0, measured=False)
+    # pool 10 pages of 16; A wrote 6 pages (80 + 15 tokens) and held them until it ended
     b_now = call("B", 1.0, 1.0, 100, 8, 32, 64)          # arrives as A ends: 6 + 6 - 10 = 2 pages
-    assert [x.bound_tokens for x in call_bounds([a, b_now], 160, 16)] == [32]
+    assert [x.bound_tokens for x in call_bounds([a, b_now], 160, 16, 1.0, slack_s=0)] == [32]
+    # the records are the client's: the server's gap is a little longer (GAP_SLACK_S)
+    assert [x.bound_tokens for x in call_bounds([a, b_now], 160, 16, 0.01)] == [0]
     b_later = call("B", 1.5, 1.0, 100, 8, 96, 0)         # 0.5 s later: 0.2 s/page loads 2 pages
-    assert [x.bound_tokens for x in call_bounds([a, b_later], 160, 16, secs_per_page=0.2)] == [0]
-    assert [x.bound_tokens for x in call_bounds([a, b_later], 160, 16, secs_per_page=0.4)] == [16]
-    assert [x.bound_tokens for x in call_bounds([a, b_later], 160, 16)] == [0]   # instant link
+    assert [x.bound_tokens for x in call_bounds([a, b_later], 160, 16, 0.2, slack_s=0)] == [0]
+    assert [x.bound_tokens for x in call_bounds([a, b_later], 160, 16, 0.4, slack_s=0)] == [16]
+    assert [x.bound_tokens for x in call_bounds([a, b_later], 160, 16, slack_s=0)] == [0]  # instant link
 
 
 def test_running_requests_hold_their_pages_and_a_shared_agent_bounds_nothing():
@@ -40,7 +42,8 @@ def test_running_requests_hold_their_pages_and_a_shared_agent_bounds_nothing():
 def _doc(tmp_path):
     calls = lambda dev, host: [call("A", 0.0, 1.0, 80, 16, 0, 0, measured=False),  # noqa: E731
                                call("B", 1.0, 1.0, 100, 8, dev, host)]
-    doc = {"server": {"device_tokens": 160, "page_size": 16, "host_link_gbps": None},
+    doc = {"server": {"device_tokens": 160, "page_size": 16, "host_link_gbps": 1.0},
+           "calibration": {"kv_bytes_per_token": 62_500_000},      # 1 s per page
            "policies": {"hicache": {"policy": "hicache", "raw": {"calls": calls(0, 96)}},
                         "kvflow": {"policy": "kvflow", "raw": {"calls": calls(64, 32)}},
                         "kvflow-x": {"policy": "kvflow", "raw": {"calls": calls(32, 64)}},
@@ -63,6 +66,14 @@ def test_summary_and_cli(tmp_path):
     assert r.exit_code == 0, r.output
     assert "1.00" in r.output and "0.50" in r.output
     assert json.loads(out.read_text())["kvflow"]["device_miss"] == 32
+    r = CliRunner().invoke(app, ["bench", "pool-bound", str(path), "--gap-slack", "2"],
+                           env={"COLUMNS": "120"})
+    assert r.exit_code == 0 and "not a lower bound" not in r.output
+    doc["policies"]["kvflow"]["raw"]["calls"][1]["host_hit_tokens"] = 0      # beats it: say so
+    doc["policies"]["kvflow"]["raw"]["calls"][1]["device_hit_tokens"] = 96
+    path.write_text(json.dumps(doc))
+    r = CliRunner().invoke(app, ["bench", "pool-bound", str(path)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "not a lower bound" in r.output
     del doc["policies"]["kvflow"]["raw"]
     path.write_text(json.dumps(doc))
     r = CliRunner().invoke(app, ["bench", "pool-bound", str(path)], env={"COLUMNS": "120"})
