@@ -4,7 +4,8 @@ Built on the engine thread from ``KVCacheManager.snapshot()`` (after a ``tick`` 
 loads read as ``device``). Sizes are in tokens, not pages, for a person debugging an app:
 
     {"policy": "kvflow", "page_size": 16,
-     "pools": {"device": {"capacity_tokens", "used_tokens", "tree_tokens", "free_tokens"},
+     "pools": {"device": {"capacity_tokens", "used_tokens", "tree_tokens", "free_tokens",
+                          "evictable_tokens", "reserved_tokens"},
                "host": {...}},
      "workflows": [{"workflow": "thread-7", "expired": false, "step": 3,
                     "agents": [{"agent": "planner", "residency": "device|loading|host|none",
@@ -33,7 +34,8 @@ def cache_report(engine, tenant: Optional[str] = None) -> dict:
     def tokens(pool: dict) -> dict:
         return {"capacity_tokens": pool["capacity"] * ps, "used_tokens": pool["used"] * ps,
                 "free_tokens": pool["free"] * ps, "tree_tokens": pool["tree"] * ps,
-                **({"evictable_tokens": pool["evictable"] * ps} if "evictable" in pool else {})}
+                **({"evictable_tokens": pool["evictable"] * ps} if "evictable" in pool else {}),
+                **({"reserved_tokens": pool["reserved"] * ps} if "reserved" in pool else {})}
 
     def num(x):
         if isinstance(x, float) and not math.isfinite(x):

@@ -719,7 +719,8 @@ class Engine:
         self._snapshot = {
             "model": self.model_name, "policy": self.policy.name, "page_size": self.page_size,
             "counters": counters, "queue": self.scheduler.counts(),
-            "device_pages": {"capacity": mgr.device.capacity, "used": mgr.device.num_used},
+            "device_pages": {"capacity": mgr.device.capacity, "used": mgr.device.num_used,
+                             "reserved": mgr.decode_reserved},
             "host_pages": {"capacity": mgr.host.capacity, "used": mgr.host.num_used},
             "loads_in_flight": mgr.loads_in_flight, "cache": mgr.metrics.as_dict(),
             "hints": mgr.tags.hints.stats(), "client_cap_pages": mgr.tags.client_cap_pages,

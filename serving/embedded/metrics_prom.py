@@ -11,7 +11,8 @@ scrape never waits for a model step. Names (all prefixed ``kvflow_``):
 - ``prefetch_total{outcome=issued|used|wasted|stale|deferred}``, ``demand_loads_total``;
 - ``load_seconds_total{kind=hidden|exposed}``: load time overlapped with compute vs waited for;
 - ``queue_depth{state=waiting|loading|running}``, ``loads_in_flight``,
-  ``pool_pages{tier,kind=capacity|used}``, ``device_hit_rate``;
+  ``pool_pages{tier,kind=capacity|used|reserved}`` (reserved: running requests' decode pages
+  not allocated yet), ``device_hit_rate``;
 - ``requests_total``, ``requests_finished_total{reason}``, ``tokens_total{kind}``,
   ``hints_total{result=accepted|rejected}``, ``engine_step_failures_total`` (failures no single
   request caused; request-caused ones finish that request with reason ``error``);
@@ -92,6 +93,7 @@ class EngineCollector:
         yield gauge("pool_pages", "KV pool pages.", labels=["tier", "kind"], samples=[
             (["device", "capacity"], s["device_pages"]["capacity"]),
             (["device", "used"], s["device_pages"]["used"]),
+            (["device", "reserved"], s["device_pages"].get("reserved", 0)),
             (["host", "capacity"], s["host_pages"]["capacity"]),
             (["host", "used"], s["host_pages"]["used"])])
         yield gauge("device_hit_rate", "Prompt tokens found on device / all prompt tokens.",

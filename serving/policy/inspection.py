@@ -63,7 +63,8 @@ def snapshot(mgr) -> dict:
         "nodes": store.tree.num_nodes,
         "pools": {
             "device": {"capacity": dev.capacity, "used": dev.num_used, "free": dev.num_free,
-                       "tree": tree_dev, "evictable": store.evictable},
+                       "tree": tree_dev, "evictable": store.evictable,
+                       "reserved": mgr.decode_reserved},  # running requests' decode pages to come
             "host": {"capacity": host.capacity, "used": host.num_used, "free": host.num_free,
                      "tree": tree_host},
         },

@@ -41,6 +41,7 @@ class CacheMetrics:
     declined_pages: int = 0           # host pages of those declined loads (recomputed instead)
     load_hidden_s: float = 0.0
     load_exposed_s: float = 0.0
+    decode_page_waits: int = 0        # lazy decode: a growth waited a step for a load to land
 
     @property
     def device_hit_rate(self) -> float:

@@ -267,6 +267,7 @@ class RequestSession:
             new = store.allocate(k, partial=True)
         if new is None:
             if store.loads.in_flight:
+                self._mgr.metrics.decode_page_waits += 1
                 return False
             raise CacheFullError(f"grow: {k} device pages reserved at admission cannot be freed")
         self.pages.extend(new)

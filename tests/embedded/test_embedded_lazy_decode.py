@@ -33,23 +33,26 @@ def _run(tiny16, lazy: bool):
                                                ste={"A": 0, "B": 1}, fixed_messages=1))
             req.params.ignore_eos = True
             req.params.temperature = 0
-            written, mid, done = 0, None, None
+            written, mid, done, reserved = 0, None, None, []
             async for ev in eng.stream(req):
                 written += len(ev.token_ids)
                 if mid is None and written >= 10:
                     mid = eng.call(on_device)
+                    reserved.append(eng.cache_report()["pools"]["device"]["reserved_tokens"])
                 done = ev.done or done
-            return mid, done
+            return mid, done, reserved[0]
 
-        mid_device, done = asyncio.run(a_call())
+        mid_device, done, reserved = asyncio.run(a_call())
         evicted = eng.call(lambda e: e.manager.metrics.evicted_pages.get("device:alloc", 0))
         assert eng.call(lambda e: e.manager.check_invariants() or True)
-        return fixed, mid_device, evicted, done
+        return fixed, mid_device, evicted, done, reserved
 
 
 def test_lazy_decode_keeps_the_next_agents_prefix_beside_a_long_running_request(tiny16):
-    fixed, lazy_mid, lazy_evicted, lazy_done = _run(tiny16, lazy=True)
-    _, up_mid, up_evicted, up_done = _run(tiny16, lazy=False)
+    fixed, lazy_mid, lazy_evicted, lazy_done, lazy_reserved = _run(tiny16, lazy=True)
+    _, up_mid, up_evicted, up_done, up_reserved = _run(tiny16, lazy=False)
+    # the cache report shows what the running request may still take
+    assert up_reserved == 0 and 16 * 30 <= lazy_reserved <= 16 * 37
     assert fixed >= 384
     assert lazy_done.finish_reason == up_done.finish_reason == "length"
     assert lazy_done.token_ids == up_done.token_ids and len(lazy_done.token_ids) == 600

@@ -129,6 +129,7 @@ def test_growth_waits_for_a_load_in_flight_that_holds_the_room():
     assert m.tick().prefetches_started == [("w", "B")]  # 4 of the 6 free pages, loading
     assert a.grow(4)                                  # the 2 free pages
     assert not a.grow(5)                              # the rest is B's load: next step
+    assert m.metrics.decode_page_waits == 1
     m.clock.t = 10.0
     m.tick()
     assert a.grow(8) and m.peek([7] * 4 + [8]).device_len == 0
