@@ -225,6 +225,21 @@ class PeerApp:
         return dt
 
 
+def _pool_bound(res, server: ServerConfig, label: str) -> dict:
+    """Reusable prefix tokens missing from device at arrival and the same-pool bound on them
+    (:mod:`.pool_bound`; the bound is None for the oracle's growable pool)."""
+    from .pool_bound import secs_per_page, totals
+
+    try:
+        spp = secs_per_page(server.model, server.page_size, server.host_link_gbps)
+    except (KeyError, ValueError):  # not a preset: an instant link only weakens the bound
+        spp = 0.0
+    policy = (server.variants.get(label) or (label,))[0]
+    t = totals(_raw(res)["calls"], pool_tokens=server.device_tokens, page_size=server.page_size,
+               secs_per_page=spp, growable=policy == "oracle")
+    return {k: t[k] for k in ("device_miss", "bound", "beat_bound")}
+
+
 def _oob_flush() -> None:
     try:
         from kvflow_agents.oob import flush
@@ -306,6 +321,8 @@ def _run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, po
         summary["answers"] = [a for a in pa.answers if a["measured"]]
         summary["calls_per_agent"] = {a: sum(1 for c in res.calls if c.measured and c.agent == a)
                                       for a in AGENTS}
+        if server is not None:  # what no policy could have had on device with this pool
+            summary["pool_bound"] = _pool_bound(res, server, label)
         out.append(PolicyResult(label, summary, finish_counters(counters.get(label)), argv[label],
                                 startup[label], _raw(res) if keep_raw else None))
     return out

@@ -67,9 +67,10 @@ def call_bounds(calls: Sequence[dict], pool_tokens: int, page_size: int,
                 gap = start - t + slack_s
                 loadable = int(gap / secs_per_page) if secs_per_page > 0 else pool
             room = min(room, pool - _pages_held(holders, page_size) + loadable)
-        want = c["device_hit_tokens"] + c["host_hit_tokens"]
+        host = c.get("host_hit_tokens") or 0  # None: the server does not say (then 0)
+        want = (c.get("device_hit_tokens") or 0) + host
         bound_pages = max(0, -(-want // page_size) - max(0, room))
-        out.append(CallBound(c["workflow"], c["agent"], want, c["host_hit_tokens"],
+        out.append(CallBound(c["workflow"], c["agent"], want, host,
                              pool - room if room < pool else 0, min(want, bound_pages * page_size)))
     return out
 
@@ -90,9 +91,39 @@ def _pages_held(holders: Sequence[dict], page_size: int) -> int:
         total += sum(math.ceil((q["prompt_tokens"] + max(0, q["completion_tokens"] - 1)) / page_size)
                      for q in g)
         if len(g) > 1:
-            shared = min((q["device_hit_tokens"] + q["host_hit_tokens"]) // page_size for q in g)
+            shared = min(((q.get("device_hit_tokens") or 0) + (q.get("host_hit_tokens") or 0)) // page_size
+                         for q in g)
             total -= (len(g) - 1) * shared
     return total
+
+
+def totals(calls: Sequence[dict], *, pool_tokens: int, page_size: int, secs_per_page: float = 0.0,
+           slack_s: float = GAP_SLACK_S, growable: bool = False) -> dict:
+    """One policy's run: reusable tokens, those missing from device at arrival, the bound (None
+    for a growable pool, the oracle's), calls that beat it (then it is not one), by agent."""
+    cb = call_bounds(calls, pool_tokens, page_size, secs_per_page, slack_s)
+    return {"calls": len(cb), "want_tokens": sum(b.want_tokens for b in cb),
+            "device_miss": sum(b.device_miss for b in cb),
+            "bound": None if growable else sum(b.bound_tokens for b in cb),
+            "beat_bound": 0 if growable else sum(1 for b in cb if b.device_miss < b.bound_tokens),
+            "by_agent": _by_agent(cb)}
+
+
+def same_pool_saving(base_miss: Optional[int], miss: Optional[int], bound: Optional[int]) -> Optional[float]:
+    """(hicache's miss - this miss) / (hicache's miss - this run's bound): 1.0 = at the bound
+    (each run's own bound: outputs and timing differ a little between runs)."""
+    if base_miss is None or miss is None or bound is None or base_miss - bound <= 0:
+        return None
+    return (base_miss - miss) / (base_miss - bound)
+
+
+def secs_per_page(model: str, page_size: int, link_gbps: Optional[float]) -> float:
+    """The emulated link's time per page for an embedded model preset (0: real copy speed)."""
+    if not link_gbps:
+        return 0.0
+    from kvflow_agents.serving.embedded.model.config import get_preset
+
+    return get_preset(model).kv_bytes_per_token * page_size / (link_gbps * 1e9)
 
 
 def summarize(doc: dict, slack_s: float = GAP_SLACK_S) -> dict:
@@ -104,32 +135,22 @@ def summarize(doc: dict, slack_s: float = GAP_SLACK_S) -> dict:
         raise ValueError("the JSON has no server.device_tokens / page_size (a --base-url run?)")
     link = server.get("host_link_gbps")
     bpt = (doc.get("calibration") or {}).get("kv_bytes_per_token")
-    spp = bpt * ps / (link * 1e9) if link and bpt else 0.0
+    spp = (bpt * ps / (link * 1e9) if link and bpt
+           else secs_per_page(server.get("model") or "", ps, link) if link else 0.0)
+    variants = server.get("variants") or {}
     rows: dict[str, dict] = {}
     for name, res in (doc.get("policies") or {}).items():
         calls = ((res.get("raw") or {}).get("calls"))
         if not calls:
             raise ValueError(f"{name}: no per-call records; run the bench with --raw")
-        cb = call_bounds(calls, pool, ps, spp, slack_s)
-        rows[name] = {"calls": len(cb), "want_tokens": sum(b.want_tokens for b in cb),
-                      "device_miss": sum(b.device_miss for b in cb),
-                      "bound": sum(b.bound_tokens for b in cb),
-                      # calls that beat the bound: it is not one (the gaps are longer: more slack)
-                      "beat_bound": sum(1 for b in cb if b.device_miss < b.bound_tokens),
-                      "by_agent": _by_agent(cb)}
-    for name in rows:  # a growable pool (the oracle's) has no bound
-        if _policy_of(doc, name) == "oracle":
-            rows[name]["bound"] = None
+        policy = (variants.get(name) or [name])[0]
+        rows[name] = totals(calls, pool_tokens=pool, page_size=ps, secs_per_page=spp, slack_s=slack_s,
+                            growable=policy == "oracle")
     base = rows.get("hicache")
     for name, r in rows.items():
-        ok = base is not None and name != "hicache" and r["bound"] is not None
-        r["same_pool_saving"] = _saving(base, r) if ok else None
+        r["same_pool_saving"] = (same_pool_saving(base["device_miss"], r["device_miss"], r["bound"])
+                                 if base is not None and name != "hicache" else None)
     return rows
-
-
-def _policy_of(doc: dict, name: str) -> str:
-    """A column's policy (a ``--policy-variant`` column names its own)."""
-    return ((doc.get("policies") or {}).get(name) or {}).get("policy") or name
 
 
 def _by_agent(cb: Sequence[CallBound]) -> dict:
@@ -139,9 +160,3 @@ def _by_agent(cb: Sequence[CallBound]) -> dict:
         a[0] += b.device_miss
         a[1] += b.bound_tokens
     return {k: {"device_miss": v[0], "bound": v[1]} for k, v in sorted(agents.items())}
-
-
-def _saving(base: dict, me: dict) -> Optional[float]:
-    """(hicache's miss - this miss) / (hicache's miss - the bound): 1.0 = at the bound."""
-    room = base["device_miss"] - me["bound"]  # its own run's bound (outputs, timing differ a little)
-    return (base["device_miss"] - me["device_miss"]) / room if room > 0 else None

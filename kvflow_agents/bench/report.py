@@ -285,6 +285,8 @@ def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, 
         ("cost saving vs lru", [_fmt(csav.get(r.policy, {}).get("lru"), "f2") for r in results]),
         ("cost saving vs hicache", [_fmt(csav.get(r.policy, {}).get("hicache"), "f2") for r in results]),
     ]
+    if any("pool_bound" in r.workload for r in results):  # bench peer: the same-pool bound
+        narrow += pool_bound_rows(results)
     if not wide:
         return narrow
     return narrow + [
@@ -304,6 +306,25 @@ def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, 
             for r in results]),
         ("TTFT speedup vs lru", [_fmt(trat[r.policy]["speedup_vs_lru"], "x") for r in results]),
     ]
+
+
+def pool_bound_rows(results: Sequence[PolicyResult]) -> list[tuple[str, list[str]]]:
+    """Reusable tokens missing from device vs what no policy could have had with the same pool,
+    and the share of hicache's excess over that bound removed (:mod:`.pool_bound`)."""
+    from .pool_bound import same_pool_saving
+
+    pb = {r.policy: r.workload.get("pool_bound") or {} for r in results}
+    base = pb.get("hicache", {}).get("device_miss")
+
+    def pair(v: dict) -> str:
+        if "device_miss" not in v:
+            return "-"
+        return f"{v['device_miss']} / {'-' if v.get('bound') is None else v['bound']}"
+
+    return [("missing / pool bound (tok)", [pair(pb[r.policy]) for r in results]),
+            ("same-pool saving vs hicache", [
+                _fmt(same_pool_saving(base, pb[r.policy].get("device_miss"), pb[r.policy].get("bound"))
+                     if r.policy != "hicache" else None, "f2") for r in results])]
 
 
 def render_table(results: Sequence[PolicyResult], title: str, wide: bool = False):

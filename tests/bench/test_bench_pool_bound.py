@@ -78,3 +78,34 @@ def test_summary_and_cli(tmp_path):
     path.write_text(json.dumps(doc))
     r = CliRunner().invoke(app, ["bench", "pool-bound", str(path)], env={"COLUMNS": "120"})
     assert r.exit_code == 2 and "--raw" in r.output
+
+
+def test_peer_bench_reports_the_bound_per_column():
+    """What `kvflow bench peer` adds to each column's workload (the per-call records it keeps
+    anyway) and the two rows its table prints from them; the oracle's column has no bound."""
+    from kvflow_agents.bench.peer import _pool_bound
+    from kvflow_agents.bench.report import pool_bound_rows, render_table
+    from kvflow_agents.bench.runner import PolicyResult, ServerConfig
+    from kvflow_agents.bench.workload import CallRecord, WorkloadResult
+    from kvflow_agents.serving.embedded.model.config import get_preset
+
+    def res(dev, host):
+        return WorkloadResult(calls=[
+            CallRecord(0, 0, "A", 0, False, 0.0, 0.1, 1.0, prompt_tokens=80, completion_tokens=16,
+                       device_hit_tokens=0, host_hit_tokens=0),
+            CallRecord(0, 0, "B", 1, True, 1.0, 0.1, 1.0, prompt_tokens=100, completion_tokens=8,
+                       device_hit_tokens=dev, host_hit_tokens=host)])
+
+    # a link of 1 s per page: the gap's slack loads nothing
+    link = get_preset("tiny-random").kv_bytes_per_token * 16 / 1e9
+    server = ServerConfig(model="tiny-random", device_tokens=160, host_tokens=0, host_link_gbps=link,
+                          variants={"oracle-x": ("oracle", ())})
+    cols = {"hicache": res(0, 96), "kvflow": res(64, 32), "oracle-x": res(96, 0)}
+    pb = {label: _pool_bound(r, server, label) for label, r in cols.items()}
+    assert pb["hicache"] == {"device_miss": 96, "bound": 32, "beat_bound": 0}
+    assert pb["oracle-x"]["bound"] is None
+    results = [PolicyResult(label, {"pool_bound": v}) for label, v in pb.items()]
+    rows = dict(pool_bound_rows(results))
+    assert rows["missing / pool bound (tok)"] == ["96 / 32", "32 / 32", "0 / -"]
+    assert rows["same-pool saving vs hicache"] == ["-", "1.00", "-"]
+    assert render_table(results, "t").row_count >= 2
