@@ -321,8 +321,8 @@ def pool_bound_rows(results: Sequence[PolicyResult]) -> list[tuple[str, list[str
             return "-"
         return f"{v['device_miss']} / {'-' if v.get('bound') is None else v['bound']}"
 
-    return [("missing / pool bound (tok)", [pair(pb[r.policy]) for r in results]),
-            ("same-pool saving vs hicache", [
+    return [("missing / bound (tok)", [pair(pb[r.policy]) for r in results]),
+            ("same-pool saving", [
                 _fmt(same_pool_saving(base, pb[r.policy].get("device_miss"), pb[r.policy].get("bound"))
                      if r.policy != "hicache" else None, "f2") for r in results])]
 

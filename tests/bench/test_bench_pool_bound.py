@@ -106,6 +106,6 @@ def test_peer_bench_reports_the_bound_per_column():
     assert pb["oracle-x"]["bound"] is None
     results = [PolicyResult(label, {"pool_bound": v}) for label, v in pb.items()]
     rows = dict(pool_bound_rows(results))
-    assert rows["missing / pool bound (tok)"] == ["96 / 32", "32 / 32", "0 / -"]
-    assert rows["same-pool saving vs hicache"] == ["-", "1.00", "-"]
+    assert rows["missing / bound (tok)"] == ["96 / 32", "32 / 32", "0 / -"]
+    assert rows["same-pool saving"] == ["-", "1.00", "-"]
     assert render_table(results, "t").row_count >= 2
