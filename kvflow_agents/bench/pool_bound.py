@@ -5,8 +5,9 @@ pool for what only an unbounded one can do. This module asks the bounded questio
 from a ``--raw`` run's per-call records (one server per policy, so every call of a policy's
 run shares its pool). Call ``c`` wants its reusable prefix (what it found cached in any tier)
 on device when it arrives at ``s``. At any moment ``t <= s`` the requests running then
-(``holders(t)``) lock the pages they wrote, a prefix shared by one agent's requests once; after ``t`` the link can bring back at most ``(s - t) / secs_per_page`` pages before
-``c`` arrives. So however clairvoyant, a policy has at most ``room`` pages of it on device::
+(``holders(t)``) lock the pages they wrote, a prefix shared by one agent's requests once;
+after ``t`` the link can bring back at most ``(s - t) / secs_per_page`` pages before ``c``
+arrives. So however clairvoyant, a policy has at most ``room`` pages of it on device::
 
     room(c) = min over t in {s, the ends of earlier requests} of
               pool - pages(holders(t)) + (s - t + slack) / secs_per_page   (t < s; at s: no load)
@@ -14,9 +15,9 @@ on device when it arrives at ``s``. At any moment ``t <= s`` the requests runnin
 
 Summed over the measured calls, ``device miss`` (reusable tokens not on device at arrival) is
 compared with the bound, and the share of hicache's excess over the bound that a policy
-removes is its **same-pool saving** (1.0: nothing left to win). ``slack`` (GAP_SLACK_S)
-keeps it a lower bound although the records are the client's (none of a run's calls beat it). The oracle's pool grows: no
-bound.
+removes is its **same-pool saving** (1.0: nothing left to win). ``slack`` (GAP_SLACK_S) keeps
+it a lower bound although the records are the client's (no call of the runs checked beats it;
+``beat_bound`` counts those that do). The oracle's pool grows: no bound.
 """
 
 from __future__ import annotations

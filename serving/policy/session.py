@@ -32,11 +32,11 @@ Decode pages (``KVCacheManager(lazy_decode=True)``, as SGLang and vLLM allocate 
 allocates the prompt's pages and *reserves* the rest of ``kv_tokens`` (``decode_reserved``);
 ``grow`` allocates them page by page as decoding reaches them. Until then the reserved pages
 hold cache (a prefetch for the next agent, say) instead of sitting empty: a request with
-``max_tokens=240`` that writes 60 tokens leaves 11 of its 15 decode pages to the cache. Invariant (S1): an
-admission needs ``free + evictable - reserved of all running sessions >= its pages + its
-reserve`` (``manager.room_for``), so a running request's growth can always be met by evicting
-unlocked cache, once waiting sessions' pins are dropped and loads in flight have landed
-(``grow`` does the first and answers False for the second: decode it next step).
+``max_tokens=240`` that writes 60 tokens leaves 11 of its 15 decode pages to the cache.
+Invariant (S1): an admission needs ``free + evictable - reserved of all running sessions >=
+its pages + its reserve`` (``manager.room_for``), so a running request's growth can always be
+met by evicting unlocked cache, once waiting sessions' pins are dropped and loads in flight
+have landed (``grow`` does the first and answers False for the second: decode it next step).
 
 The first look records hit counters (``match(record=True)``); the session's ``device_hit`` /
 ``host_hit`` say where its reused tokens were when it arrived, ``loads_read`` the loads this
