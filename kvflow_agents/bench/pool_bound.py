@@ -60,13 +60,15 @@ def call_bounds(calls: Sequence[dict], pool_tokens: int, page_size: int,
         moments = [(start, False)] + [(_end(q), True) for q in others if _end(q) <= start]
         room = pool
         for t, ended in moments:
-            holders = [q for q in others if q["start"] < t < _end(q) or (ended and _end(q) == t)]
-            if not holders or any(q["agent"] == c["agent"] for q in holders):
-                continue  # nothing held, or its own prefix is held (on device) then
             loadable = 0
             if ended:
                 gap = start - t + slack_s
                 loadable = int(gap / secs_per_page) if secs_per_page > 0 else pool
+                if loadable >= pool:
+                    continue  # the link could refill the whole pool since: no limit (and O(n))
+            holders = [q for q in others if q["start"] < t < _end(q) or (ended and _end(q) == t)]
+            if not holders or any(q["agent"] == c["agent"] for q in holders):
+                continue  # nothing held, or its own prefix is held (on device) then
             room = min(room, pool - _pages_held(holders, page_size) + loadable)
         host = c.get("host_hit_tokens") or 0  # None: the server does not say (then 0)
         want = (c.get("device_hit_tokens") or 0) + host

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from kvflow_agents.serving.policy import KVCacheManager, NullTransferBackend
 
 
@@ -66,3 +68,16 @@ def put(m: KVCacheManager, tokens, wf=None, agent=None, fixed=None, app=None):
     if agent:
         m.tag_fixed_prefix(tokens, fixed if fixed is not None else len(tokens), wf, agent, app=app)
     return node
+
+
+def hint(agent, ste, wf="w", step=0):
+    """A request's hints object (the fields the manager reads)."""
+    return SimpleNamespace(workflow=wf, agent=agent, ste=ste, step=step, app=None, event=None)
+
+
+def to_host(m: KVCacheManager, tokens, agent, wf="w"):
+    """Cache ``tokens`` as ``agent``'s tagged prefix, then push it to the host tier."""
+    put(m, tokens, wf, agent, len(tokens))
+    held = m.allocate(m.device.num_free + m.evictable_device_pages)
+    assert m.agent_residency(wf, agent) == "host"
+    m.free(held)

@@ -1,28 +1,16 @@
 """Lazy decode pages (``KVCacheManager(lazy_decode=True)``): admission allocates a request's
 prompt pages and reserves the rest of ``kv_tokens``; ``grow`` allocates them as decoding
 reaches them. Meanwhile the reserved pages hold cache (S1: every running reserve stays
-coverable by free + evictable pages), a growth evicts only the tail pages it needs, gives way
-to nobody running (waiting sessions are unpinned, loads in flight are waited for)."""
+coverable by free + evictable pages), a growth evicts only the tail pages it needs, waiting
+sessions' pins give way to it, and it waits a step for a load in flight."""
 
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
-from policy_driver import make_manager, put
-
-
-def hint(agent, ste, wf="w", step=0):
-    return SimpleNamespace(workflow=wf, agent=agent, ste=ste, step=step, app=None, event=None)
-
-
-def to_host(m, tokens, agent, wf="w"):
-    put(m, tokens, wf, agent, len(tokens))
-    held = m.allocate(m.device.num_free + m.evictable_device_pages)
-    assert m.agent_residency(wf, agent) == "host"
-    m.free(held)
+from policy_driver import hint, make_manager, put, to_host
 
 
 def test_admit_takes_the_prompt_pages_and_grow_the_rest_page_by_page():

@@ -5,26 +5,13 @@ reserve taken from waiting sessions, load-wait accounting, the admission-delay c
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from kvflow_agents.serving.policy import CacheFullError, Readiness
-from policy_driver import make_manager, put
+from policy_driver import hint, make_manager, put, to_host
 
 READY, LOADING, NEEDS_LOAD, RECOMPUTE = (Readiness.READY, Readiness.LOADING,
                                          Readiness.NEEDS_LOAD, Readiness.RECOMPUTE)
-
-
-def hint(agent, ste, wf="w", step=0):
-    return SimpleNamespace(workflow=wf, agent=agent, ste=ste, step=step, app=None, event=None)
-
-
-def to_host(m, tokens, agent, wf="w"):
-    put(m, tokens, wf, agent, len(tokens))
-    held = m.allocate(m.device.num_free + m.evictable_device_pages)
-    assert m.agent_residency(wf, agent) == "host"
-    m.free(held)
 
 
 def test_full_protocol_tags_caches_and_frees():
