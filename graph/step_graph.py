@@ -70,7 +70,6 @@ class _Compiled:
     group_members: tuple[tuple[int, ...], ...]
     member_groups: tuple[tuple[int, ...], ...]  # agent -> AND groups it belongs to
     start_succ: tuple[int, ...]
-    end_tail: tuple[str, ...] = ()  # agents whose end can end the run (AgentStepGraph.next_run_ste)
 
 
 class AgentStepGraph:
@@ -241,7 +240,6 @@ class AgentStepGraph:
             group_target=tuple(group_target), group_members=tuple(group_members),
             member_groups=tuple(tuple(x) for x in member_groups),
             start_succ=tuple(dict.fromkeys(start_succ)),
-            end_tail=self._end_tail(),
         )
         return self._compiled
 
@@ -276,40 +274,22 @@ class AgentStepGraph:
 
     def next_run_ste(self, ste: Mapping[str, float]) -> dict[str, float]:
         """``ste`` with the app's *next run* added: an app invoked again after this run ends (the
-        next question, the next turn) starts at its entry agents one step after the run's last
-        LLM step, so each entry agent gets min(its STE, min over the run's tail of STE + 1).
-        The tail is END's predecessors and, through any non-LLM agent among them, that agent's
-        predecessors: a non-LLM agent before END (AutoGen's GraphFlow needs a leaf; a tool that
-        saves the answer) sends the server no request, so for the server the next run's first
-        request follows the last LLM agent's. Opt-in (``kvflow.instrument(..., next_run=True)``):
-        it predicts a workflow the server has not seen yet, so the server can bring the entry
-        agent's prefix back while the current run's last agent runs instead of after the next
-        run's first request."""
+        next question, the next turn) starts at its entry agents one step after the last agent
+        before END, so each entry agent gets min(its STE, min over END's predecessors of STE +
+        1). Opt-in (``kvflow.instrument(..., next_run=True)``): it predicts a workflow the
+        server has not seen yet, so the server can bring the entry agent's prefix back while
+        the current run's last agent runs instead of after the next run's first request."""
         out = dict(ste)
         if END not in self._g:
             return out
-        c = self._compile()
-        last = min((ste.get(u, INF) for u in c.end_tail), default=INF)
+        last = min((ste.get(u, INF) for u in self._g.predecessors(END) if u not in _PSEUDO),
+                   default=INF)
         if last < INF:
+            c = self._compile()
             for i in c.start_succ:
                 a = c.names[i]
                 out[a] = min(out.get(a, INF), last + 1)
         return out
-
-    def _end_tail(self) -> tuple[str, ...]:
-        """END's predecessors, widened through non-LLM agents (see :meth:`next_run_ste`)."""
-        if END not in self._g:
-            return ()
-        tail: dict[str, None] = {}
-        stack = [u for u in self._g.predecessors(END) if u not in _PSEUDO]
-        while stack:
-            u = stack.pop()
-            if u in tail:
-                continue
-            tail[u] = None
-            if not self._g.nodes[u]["llm"]:
-                stack.extend(p for p in self._g.predecessors(u) if p not in _PSEUDO)
-        return tuple(tail)
 
     @staticmethod
     def _bfs(c: _Compiled, running: set[str], arrived: Mapping[str, Iterable[str]]) -> list[int]:

@@ -151,20 +151,19 @@ def test_graph_shape_fixed_fanout_all_join_and_review_loop():
 # ---------------------------------------------------------------------------- the default loop
 def test_next_run_hints_name_the_next_questions_planner():
     """``instrument_team(next_run=True)``: while the reviewer runs, the next question's planner
-    is one step away (the team's ``final`` agent before END sends no request, so it takes no
-    step); without it the planner is unreachable (None on the wire)."""
+    is one step after the team's ``final`` agent (the last before END); without it the planner
+    is unreachable (None on the wire)."""
     def by_role(next_run):
         with RecordingOpenAIServer(reply=Script(verdicts=["PASS"])) as srv:
             r = run_ag(srv, next_run=next_run)
             reqs = sent(srv)
         assert r["final_verdict"] == "PASS"
-        return {role: h["kvflow_ste"] for role, _body, h in reqs}
+        return {role: (h["kvflow_ste"]["planner"], h["kvflow_ste"]["final"]) for role, _body, h in reqs}
     on, off = by_role(True), by_role(False)
-    assert on["reviewer"]["planner"] == 1 and on["reviewer"]["final"] >= 1
-    assert on["planner"]["planner"] == 0
-    for role in ("executor", "expresser"):  # one step after the reviewer, not after final
-        assert on[role]["planner"] == on[role]["reviewer"] + 1 < on[role]["final"] + 1
-    assert off["reviewer"]["planner"] is None and off["expresser"]["planner"] is None
+    planner, final = on["reviewer"]
+    assert final >= 1 and planner == final + 1 and on["planner"][0] == 0
+    assert on["expresser"][0] == on["expresser"][1] + 1
+    assert off["reviewer"][0] is None and off["expresser"][0] is None
 
 
 def test_default_jump_fail_goes_back_to_expresser_with_layout_and_hints():

@@ -52,24 +52,6 @@ def test_next_run_puts_entry_agents_one_step_after_the_end():
     assert loop.next_run_ste(loop.steps_to_execution(["Executor"])) == loop.steps_to_execution(["Executor"])
 
 
-def test_next_run_counts_no_step_for_non_llm_agents_before_the_end():
-    """A non-LLM agent before END (AutoGen's ``final`` leaf, a tool that saves the answer)
-    sends no request: the next run's entry agent is one step after the last LLM agent, through
-    any chain of them; an LLM agent before END still takes its step."""
-    g = AgentStepGraph("team")
-    g.add_edge(START, "planner").add_edge("planner", "expresser").add_edge("expresser", "reviewer")
-    g.add_edge("reviewer", "expresser", conditional=True)
-    g.add_agent("final", llm=False).add_agent("save", llm=False)
-    g.add_edge("reviewer", "final", conditional=True).add_edge("final", "save").add_edge("save", END)
-    at_reviewer = g.steps_to_execution(["reviewer"])
-    assert (at_reviewer["final"], at_reviewer["save"]) == (1, 2)
-    assert g.next_run_ste(at_reviewer)["planner"] == 1            # not 3: final and save take no step
-    assert g.next_run_ste(g.steps_to_execution(["expresser"]))["planner"] == 2
-    assert g.next_run_ste(g.steps_to_execution(["save"]))["planner"] == 1
-    g.add_agent("final", llm=True)                                 # now final calls the LLM
-    assert g.next_run_ste(g.steps_to_execution(["reviewer"]))["planner"] == 2
-
-
 def test_figure3_and_takes_max_plus_one():
     ste = figure3("and").steps_to_execution(running={"Current"})
     assert (ste["Executor1"], ste["Executor2"], ste["Expresser"]) == (1, 2, 3)
