@@ -51,6 +51,7 @@ from kvflow_agents.protocol import HintError, Hints
 from kvflow_agents.serving.policy import (CacheMetrics, CachePolicy, KVFlowPolicy, LoadTracker,
                                           Prefetcher, PriorityIndex, TagBook, get_policy,
                                           workflow_key)
+from kvflow_agents.serving.policy.admission import AdmissionOrder, check_admission
 from kvflow_agents.serving.policy.inspection import agents_view, workflows_view
 
 from .messages import FIXED_TOKENS_KEY
@@ -83,16 +84,19 @@ class KVFlowStrategy(EvictionStrategy):
 
     SGLang builds it from ``--radix-eviction-policy kvflow`` with the JSON of
     ``--radix-eviction-policy-config`` as keyword arguments; the cache reads the optional
-    ``lookahead``, ``lease_s``, ``max_prefetch`` and ``recompute_s_per_token`` from there.
+    ``lookahead``, ``lease_s``, ``max_prefetch``, ``recompute_s_per_token`` and ``admission``
+    (``"workflow"`` or ``"fcfs"``) from there.
     Until a :class:`KVFlowRadixCache` binds its index, every node has priority +inf (LRU).
     """
 
     def __init__(self, lookahead: Optional[float] = None, lease_s: Optional[float] = None,
                  max_prefetch: Optional[int] = None,
-                 recompute_s_per_token: Optional[float] = None) -> None:
+                 recompute_s_per_token: Optional[float] = None,
+                 admission: Optional[str] = None) -> None:
         self.options = {"lookahead": lookahead, "lease_s": lease_s,
                         "max_inflight_prefetch": max_prefetch,
-                        "recompute_s_per_token": recompute_s_per_token}
+                        "recompute_s_per_token": recompute_s_per_token,
+                        "admission": None if admission is None else check_admission(admission)}
         self.policy = KVFlowPolicy()
         self.adapter: Optional[EvictionStrategyAdapter] = None
 
@@ -195,6 +199,7 @@ class KVFlowRadixCache(UnifiedRadixCache):
     default_step_s: float = 1.0
     recompute_s_per_token: Optional[float] = None  # None: measured prefill speed
     reserve_window: int = 64         # waiting requests counted in the prefetch reserve
+    admission: str = "workflow"      # waiting-queue order (policy/admission.py; hooks.py sorts)
 
     def __init__(self, params, **kwargs) -> None:
         ensure_eviction_policy_registered()
@@ -249,6 +254,7 @@ class KVFlowRadixCache(UnifiedRadixCache):
         elif self.tree_components:
             logger.warning("kvflow: eviction policy is %s, not 'kvflow': STE hints will tag and "
                            "prefetch but not reorder eviction", type(strategy).__name__)
+        self.kv_admission = AdmissionOrder(self.admission)
         self._req_hints: dict[Any, ReqHints] = {}
         self._kv_loads: dict[int, Any] = {}        # anchor node id -> Load (demand + prefetch)
         self._inflight: dict[int, InflightLoad] = {}  # anchor node id -> proactive load
@@ -260,7 +266,8 @@ class KVFlowRadixCache(UnifiedRadixCache):
         self._evict_floor: Optional[float] = None
         self.kv_stats = {"tags": 0, "prefetch_skipped_no_slot": 0, "prefetch_declined": 0,
                          "hints": 0, "hint_errors": 0, "stale_hints": 0, "requeued": 0,
-                         "blocked_polls": 0, "floor_stops": 0, "inferred_tags": 0}
+                         "blocked_polls": 0, "floor_stops": 0, "inferred_tags": 0,
+                         "queue_sorts": 0}
 
     @property
     def kv_index(self) -> PriorityIndex:
@@ -432,6 +439,45 @@ class KVFlowRadixCache(UnifiedRadixCache):
             return hints
         self.kvflow_apply_hints(hints)
         return hints
+
+    def kvflow_admission_key(self, req, hints: Optional[Hints]) -> tuple:
+        """The request's admission key (:mod:`~kvflow_agents.serving.policy.admission`), set
+        once when it is first queued (a re-queued request keeps its place), on the rank-agreed
+        clock so every rank sorts the queue alike. ``req.kvflow_admission_key``; the hook after
+        SGLang's ``calc_priority`` sorts by it."""
+        key = getattr(req, "kvflow_admission_key", None)
+        if key is None:
+            wf = (self.kv_hints.workflows.get(workflow_key(hints.workflow, hints.app))
+                  if hints is not None else None)
+            key = self.kv_admission.key(self._kv_now(), wf)
+            try:
+                req.kvflow_admission_key = key
+                req.kvflow_hinted = hints is not None
+            except AttributeError:
+                pass
+        return key
+
+    def kvflow_order_queue(self, waiting_queue: list, priority_sign: Optional[int] = None) -> bool:
+        """Stable-sort SGLang's waiting queue by workflow (``admission == "workflow"``): the
+        oldest workflow's call first, then the engine's own order. Left alone when no waiting
+        request carries hints (a server without hints schedules as stock SGLang).
+        ``priority_sign``: SGLang's priority scheduling is on; a request's priority still
+        comes first. Returns whether it sorted."""
+        if not self.kv_admission.by_workflow or len(waiting_queue) < 2:
+            return False
+        if not any(getattr(r, "kvflow_hinted", False) for r in waiting_queue):
+            return False
+        last = (INF,)
+
+        def key(r):
+            k = getattr(r, "kvflow_admission_key", None) or last
+            if priority_sign is None:
+                return k
+            return ((getattr(r, "priority", None) or 0) * priority_sign, k)
+
+        waiting_queue.sort(key=key)
+        self.kv_stats["queue_sorts"] += 1
+        return True
 
     def _stale(self, hints: Hints) -> bool:
         """A request's hint from an earlier step than its workflow's latest: superseded."""

@@ -6,6 +6,13 @@ no hints schedules exactly as stock SGLang.
 
 - ``after_add_request_to_queue``: hint intake when a request is queued (``custom_params``);
   a re-queued request (retraction, preemption, grammar wait) does not replay its hints.
+- ``after_calc_priority`` (``SchedulePolicy.calc_priority``): workflow-ordered admission
+  (``KVFLOW_ADMISSION``, default ``workflow``; ``serving/policy/admission.py``). After SGLang's
+  own sort, the waiting queue is stable-sorted by the oldest workflow's first arrival (each
+  request's key is set when it is first queued, on the rank-agreed clock), so when the batch or
+  the pool cannot take every waiting request, workflows run back to back instead of in
+  lockstep. SGLang's order stays among a workflow's requests; priority scheduling's priority
+  still comes first; a queue with no hinted request is left as SGLang sorted it.
 - ``around_add_one_req`` (``PrefillAdder.add_one_req``): status-aware admission. SGLang's
   prefill builder has just matched the request (``init_next_round_input``); if that match runs
   through a node whose proactive load has not landed, the request is skipped for this round
@@ -28,6 +35,7 @@ logger = logging.getLogger(__name__)
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 TARGET_ADD = f"{SCHEDULER}._add_request_to_queue"
 TARGET_ADMIT = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
+TARGET_ORDER = "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority"
 TARGET_INPUT = f"{SCHEDULER}.process_input_requests"
 
 
@@ -43,10 +51,23 @@ def after_add_request_to_queue(result, scheduler, req, *args, **kwargs):
     if cache is not None:
         try:
             cache.kvflow_watch_queue(lambda: scheduler.waiting_queue)  # the prefetch reserve
-            cache.kvflow_on_request(req)
+            hints = cache.kvflow_on_request(req)
+            cache.kvflow_admission_key(req, hints)
         except Exception:  # hints are advisory
             logger.exception("kvflow: hint intake failed")
     return None
+
+
+def after_calc_priority(result, policy, *args, **kwargs):
+    waiting_queue = args[0] if args else kwargs.get("waiting_queue")
+    cache = _kvflow_cache(policy)
+    if cache is not None and waiting_queue:
+        try:
+            sign = policy.priority_sign if getattr(policy, "enable_priority_scheduling", False) else None
+            cache.kvflow_order_queue(waiting_queue, sign)
+        except Exception:  # the queue stays in SGLang's order
+            logger.exception("kvflow: admission order failed")
+    return result
 
 
 def around_add_one_req(original, adder, req, *args, **kwargs):

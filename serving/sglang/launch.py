@@ -8,7 +8,8 @@ Adds, unless the caller already chose them: ``--enable-hierarchical-cache``,
 TreeCore (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``: the Rust core rejects custom
 eviction policies). Our own flags are taken out of argv and passed through the environment,
 which SGLang's spawned processes inherit: ``--kvflow-lookahead N``, ``--kvflow-lease-s S``,
-``--kvflow-max-prefetch N``, ``--kvflow-api-keys-file F``, ``--kvflow-tenant-header H``,
+``--kvflow-max-prefetch N``, ``--kvflow-admission fcfs|workflow`` (the waiting queue's order,
+``hooks.after_calc_priority``), ``--kvflow-api-keys-file F``, ``--kvflow-tenant-header H``,
 ``--kvflow-host-link-gbps X`` (an emulated host link of X GB/s under SGLang's host->device
 copies, for CPU studies; see ``host_link.py``).
 
@@ -32,6 +33,7 @@ DEFAULT_FLAGS = (
 )
 OWN_FLAGS = {"--kvflow-lookahead": "KVFLOW_LOOKAHEAD", "--kvflow-lease-s": "KVFLOW_LEASE_S",
              "--kvflow-max-prefetch": "KVFLOW_MAX_PREFETCH",
+             "--kvflow-admission": "KVFLOW_ADMISSION",
              "--kvflow-api-keys-file": "KVFLOW_API_KEYS_FILE",  # tenants (serving/tenancy.py)
              "--kvflow-tenant-header": "KVFLOW_TENANT_HEADER",
              "--kvflow-host-link-gbps": "KVFLOW_HOST_LINK_GBPS"}
@@ -61,6 +63,13 @@ def build_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
                     ok = False
                 if not ok:
                     raise SystemExit(f"{name}: expected a positive number, got {val!r}")
+            if name == "--kvflow-admission":
+                from kvflow_agents.serving.policy.admission import check_admission
+
+                try:
+                    check_admission(val)
+                except ValueError as e:
+                    raise SystemExit(f"{name}: {e}") from None
             env[OWN_FLAGS[name]] = val
             continue
         out.append(a)

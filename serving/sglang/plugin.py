@@ -13,6 +13,7 @@ detokenizer) through ``sglang.srt.plugins.load_plugins()``, then applies the hoo
 The hooks act only when the cache is a ``KVFlowRadixCache``; installed but not selected, the
 plugin changes nothing. Tunables come from the environment (the launcher sets them):
 ``KVFLOW_LOOKAHEAD`` (steps, default 1), ``KVFLOW_LEASE_S`` (60), ``KVFLOW_MAX_PREFETCH`` (2),
+``KVFLOW_ADMISSION`` (``workflow`` or ``fcfs``: the waiting queue's order, ``hooks.py``),
 ``KVFLOW_HOST_LINK_GBPS`` (an emulated host link under every HiCache copy; ``host_link.py``).
 """
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
+
+from kvflow_agents.serving.policy.admission import check_admission
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ def cache_options() -> dict:
         "lookahead": _env_num("KVFLOW_LOOKAHEAD", float, 1.0),
         "lease_s": _env_num("KVFLOW_LEASE_S", float, 60.0),
         "max_inflight_prefetch": _env_num("KVFLOW_MAX_PREFETCH", int, 2),
+        "admission": _env_num("KVFLOW_ADMISSION", check_admission, "workflow"),
     }
 
 
@@ -65,6 +69,7 @@ def kvflow_cache_factory(ctx):
         lookahead = opts["lookahead"]
         lease_s = opts["lease_s"]
         max_inflight_prefetch = opts["max_inflight_prefetch"]
+        admission = opts["admission"]
 
     _Configured.__name__ = _Configured.__qualname__ = "KVFlowRadixCache"
     return create_unified_radix_cache(ctx, cache_class=_Configured)
@@ -99,6 +104,7 @@ def register() -> None:
         register_radix_cache_backend(BACKEND_NAME, kvflow_cache_factory)
     HookRegistry.register(hooks.TARGET_ADD, hooks.after_add_request_to_queue, HookType.AFTER)
     HookRegistry.register(hooks.TARGET_ADMIT, hooks.around_add_one_req, HookType.AROUND)
+    HookRegistry.register(hooks.TARGET_ORDER, hooks.after_calc_priority, HookType.AFTER)
     HookRegistry.register(hooks.TARGET_INPUT, hooks.around_process_input_requests,
                           HookType.AROUND)
     HookRegistry.register(http_api.TARGET_LAUNCH, http_api.before_launch_server, HookType.BEFORE)

@@ -60,6 +60,12 @@ else:
         yield c
         c.close()
 
+    @pytest.fixture
+    def serial(pool, model_dir, request):
+        c = _client(pool, "serial", model_dir, request)
+        yield c
+        c.close()
+
     @pytest.fixture(scope="session")
     def tokenizer(model_dir):
         from kvflow_agents.serving.embedded.model.tokenizer import ChatTokenizer

@@ -11,7 +11,9 @@ cache:
   --radix-eviction-policy kvflow``), with the link poisoning in-flight rows (a request that
   read KV before it landed would decode garbage, so identical outputs prove it never does);
 - ``retract``: the plugin's configuration with SGLang's ``SGLANG_TEST_RETRACT`` (a decoding
-  request is retracted and queued again every 3 forward steps), for the re-queue test.
+  request is retracted and queued again every 3 forward steps), for the re-queue test;
+- ``serial``: the plugin's configuration with ``--max-running-requests 1``, for the admission
+  order test.
 
 A server start costs 35-100 s on this shared 2-core box, so each configuration is started once
 per session (:class:`ServerPool`), both main ones concurrently, and restarted only if a test
@@ -58,6 +60,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # SGLang's own test switch: retract a decoding request every 3 forward steps (what memory
     # pressure does, on a schedule)
     "retract": {"policy": "kvflow", "env": {"SGLANG_TEST_RETRACT": "1"}},
+    # one running request at a time: what arrives meanwhile waits in the queue, in the order
+    # the plugin's admission hook leaves it (the admission test)
+    "serial": {"policy": "kvflow", "extra": ["--max-running-requests", "1"]},
 }
 
 
