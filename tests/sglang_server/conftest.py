@@ -61,10 +61,13 @@ else:
         c.close()
 
     @pytest.fixture
-    def serial(pool, model_dir, request):
-        c = _client(pool, "serial", model_dir, request)
-        yield c
-        c.close()
+    def serial_pair(pool, model_dir, request):
+        """``serial`` and ``serial-fcfs`` (started together): one running request at a time."""
+        pool.start("serial", "serial-fcfs")
+        cs = {n: _client(pool, n, model_dir, request) for n in ("serial", "serial-fcfs")}
+        yield cs
+        for c in cs.values():
+            c.close()
 
     @pytest.fixture(scope="session")
     def tokenizer(model_dir):

@@ -12,8 +12,9 @@ cache:
   read KV before it landed would decode garbage, so identical outputs prove it never does);
 - ``retract``: the plugin's configuration with SGLang's ``SGLANG_TEST_RETRACT`` (a decoding
   request is retracted and queued again every 3 forward steps), for the re-queue test;
-- ``serial``: the plugin's configuration with ``--max-running-requests 1``, for the admission
-  order test.
+- ``serial`` / ``serial-fcfs``: the plugin's configuration with ``--max-running-requests 1``,
+  with workflow-ordered admission (the default) and with ``KVFLOW_ADMISSION=fcfs``, for the
+  admission order test.
 
 A server start costs 35-100 s on this shared 2-core box, so each configuration is started once
 per session (:class:`ServerPool`), both main ones concurrently, and restarted only if a test
@@ -63,6 +64,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # one running request at a time: what arrives meanwhile waits in the queue, in the order
     # the plugin's admission hook leaves it (the admission test)
     "serial": {"policy": "kvflow", "extra": ["--max-running-requests", "1"]},
+    "serial-fcfs": {"policy": "kvflow", "extra": ["--max-running-requests", "1"],
+                    "env": {"KVFLOW_ADMISSION": "fcfs"}},
 }
 
 
