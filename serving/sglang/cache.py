@@ -293,7 +293,7 @@ class KVFlowRadixCache(UnifiedRadixCache):
 
         def _remove_leaf_from_parent(node):
             orig_remove(node)
-            cache._kv_landed.pop(node.id, None)  # a landed prefetch evicted unread (ids are not reused)
+            cache._landed_lost(node.id)  # a landed prefetch dropped unread (ids are not reused)
             try:
                 cache.kv_book.node_removed(node)
                 cache.kv_index.drop_node(node)
@@ -668,6 +668,23 @@ class KVFlowRadixCache(UnifiedRadixCache):
                 self.kv_stats["floor_stops"] += 1
                 return None, False  # stop the walk: the rest is at least as urgent
         return node_id, progress
+
+    def _evict_device_leaf(self, node_id, tracker):
+        backup = super()._evict_device_leaf(node_id, tracker)
+        if self._kv_landed:
+            self._landed_lost(node_id)  # HiCache demotes it to host: it stays in the tree
+        return backup
+
+    def _landed_lost(self, node_id) -> None:
+        """A node of a landed, unread prefetch left the device (demoted to host or dropped):
+        the prefetch was fetched for nothing (``prefetch_wasted``), and a later load of the
+        same prefix is not credited to it."""
+        ld = self._kv_landed.pop(node_id, None)
+        if ld is None:
+            return
+        for n in ld.nodes:
+            self._kv_landed.pop(n.id, None)
+        self.kv_loads.mark_wasted(ld)
 
     # ------------------------------------------------------------------ loads
     def check_hicache_events(self) -> None:

@@ -98,6 +98,27 @@ class CoreAdoptionTest(KVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.T
         self.assertEqual(m.load_exposed_s, 0.0)
         self.assertAlmostEqual(m.load_hidden_s, 0.3, places=3)
 
+    def test_a_landed_prefetch_evicted_unread_is_wasted_not_used_later(self):
+        """SGLang's HiCache demotes an evicted node to host (it stays in the tree): a landed
+        prefetch that leaves the device unread was fetched for nothing, and a later demand
+        load of the same prefix must not credit it as used."""
+        self.req("A", {"A": 1})
+        self.offload_all()
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="X", ste={"A": 1}))
+        self.assertEqual(self.cache.kvflow_prefetch(), [("wf", "A")])
+        self.ack_all()
+        m = self.cache.kv_metrics
+        self.assertEqual((m.prefetch_issued, m.prefetch_wasted), (1, 0))
+        self.cache.evict(EvictParams(num_tokens=self.cache.evictable_size()))  # demoted, unread
+        self.assertEqual(m.prefetch_wasted, 1)
+        self.assertEqual(self.cache.kv_index.node_of(("wf", "A")).evicted, True)  # still in the tree
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="X", ste={"A": 1}))
+        self.assertEqual(self.cache.kvflow_prefetch(), [("wf", "A")])  # fetched again
+        self.ack_all()
+        reader, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t, self.fixed["A"])
+        self.cache.match_prefix(MatchPrefixParams(key=key(self.fixed["A"]), req=reader))
+        self.assertEqual((m.prefetch_issued, m.prefetch_used, m.prefetch_wasted), (2, 1, 1))
+
     def test_load_back_durations_calibrate_the_link_estimate(self):
         self.assertEqual(self.cache.kv_loads.secs_per_page, 0.0)   # unknown until measured
         self.req("A", {"A": 1})
