@@ -23,6 +23,11 @@ embedded engine and the simulator:
   ``recompute_s_per_token``). A request held back because its prefix is still loading records
   the wait (:meth:`kvflow_blocked`): exposed load time; the first request that reads a
   prefetch credits it (hidden / exposed, ``kv_metrics``).
+- :class:`~kvflow_agents.serving.policy.toolgap.ToolGaps` (``kv_gaps``): a tool hint
+  (``kvflow_tool_s``) gives the waiting agent's whole last turn (SGLang's record of the finished
+  request) a resume tag in the same book, with its time plan (moved in :meth:`kvflow_expire`).
+- :class:`~kvflow_agents.serving.policy.admission.AdmissionOrder` (``kv_admission``): each
+  queued request's admission key; ``hooks.after_calc_priority`` sorts SGLang's queue by it.
 - :mod:`~kvflow_agents.serving.policy.inspection`: the snapshot's agents and workflows.
 
 Every decision is a function of what all TP ranks see identically (broadcast requests, the
@@ -53,6 +58,7 @@ from kvflow_agents.serving.policy import (CacheMetrics, CachePolicy, KVFlowPolic
                                           workflow_key)
 from kvflow_agents.serving.policy.admission import AdmissionOrder, check_admission
 from kvflow_agents.serving.policy.inspection import agents_view, workflows_view
+from kvflow_agents.serving.policy.toolgap import ToolGaps
 
 from .messages import FIXED_TOKENS_KEY
 
@@ -255,6 +261,8 @@ class KVFlowRadixCache(UnifiedRadixCache):
             logger.warning("kvflow: eviction policy is %s, not 'kvflow': STE hints will tag and "
                            "prefetch but not reorder eviction", type(strategy).__name__)
         self.kv_admission = AdmissionOrder(self.admission)
+        # tool gaps (kvflow_tool_s): the waiting agent's whole last turn gets a resume tag
+        self.kv_gaps = ToolGaps(self.kv_book, load_s=self._host_load_s)
         self._req_hints: dict[Any, ReqHints] = {}
         self._kv_loads: dict[int, Any] = {}        # anchor node id -> Load (demand + prefetch)
         self._inflight: dict[int, InflightLoad] = {}  # anchor node id -> proactive load
@@ -434,6 +442,7 @@ class KVFlowRadixCache(UnifiedRadixCache):
             req.kvflow_hints_taken = True
         except AttributeError:  # a request object that takes no attributes: step check only
             pass
+        self.kv_gaps.arrived(hints.workflow, hints.agent, hints.app, self._kv_now())
         if self._stale(hints):
             self.kv_stats["stale_hints"] += 1
             return hints
@@ -500,20 +509,33 @@ class KVFlowRadixCache(UnifiedRadixCache):
         if hints.event == "end":
             self.kvflow_release_workflow(hints.workflow, hints.app)
             return
+        if hints.tool_s:  # a tool step started: its waiting agents' last turns get resume tags
+            self.kv_gaps.waiting(hints.workflow, hints.app, dict(hints.tool_s), now)
         self.kv_book.update(hints.workflow, dict(hints.ste), agent=hints.agent, step=hints.step,
                             app=hints.app, now=now)
 
     def kvflow_release_workflow(self, workflow: str, app: Optional[str] = None) -> None:
         dropped = self.kv_book.release(workflow, app)
+        self.kv_gaps.release(workflow, app)
         for tag in dropped:
             self.kv_loads.abandon(tag)
         self.kv_prefetcher.forget(dropped)
 
     def kvflow_expire(self, now: Optional[float] = None) -> list:
-        expired = self.kv_book.expire(self._kv_now() if now is None else now)
+        """Time moved on (before eviction decisions and at each scheduler step): leases
+        expire, and open tool gaps move along their plan (hold -> near -> expired)."""
+        now = self._kv_now() if now is None else now
+        expired = self.kv_book.expire(now)
         for wf in self.kv_book.hints.drain_removed():  # forgotten or over the registry's bounds
             self.kvflow_release_workflow(wf)
+        if self.kv_gaps.gaps:
+            self.kv_gaps.tick(now)
         return expired
+
+    def _host_load_s(self, node) -> float:
+        """Link time to bring ``node``'s host-only path back (0 on device): a tool gap's lead."""
+        pages = self.kv_prefetcher.target.host_pages(node) if node is not None else 0
+        return self.kv_loads.estimate_load_s(pages, self._kv_now()) if pages else 0.0
 
     # ------------------------------------------------------------------ tagging
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
@@ -524,6 +546,9 @@ class KVFlowRadixCache(UnifiedRadixCache):
         self._unhold(info)  # admitted and computed: its prefix is in the tree
         if req.finished():
             self._req_hints.pop(req.rid, None)
+            # what the agent's resumed turn would start with (a tool gap's resume tag)
+            self.kv_gaps.finished(info.workflow, info.agent, info.app,
+                                  req.full_untruncated_fill_ids[:up_to])
         if not info.timed:
             info.timed = self._time_prefill(req)
         if info.tagged:

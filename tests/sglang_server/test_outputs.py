@@ -82,3 +82,32 @@ def test_malformed_hints_never_fail_a_request(kvflow, stock):
     assert kvflow.snapshot()["stats"]["hint_errors"] == before + 1
     r = kvflow.post_hints(bad)
     assert r.status_code == 400 and r.json()["key"] == "kvflow_ste"
+
+
+def test_tool_hint_tags_the_agents_last_turn_on_the_real_server(kvflow):
+    """A tool step's out-of-band hint (``kvflow_tool_s``) gives the waiting agent's whole last
+    turn (prompt + what it generated, SGLang's record of the finished request) a resume tag
+    on the real server: held at STE 2 while the tool runs; the agent's next request closes it."""
+    from kvflow_agents.serving.policy.toolgap import RESUME
+
+    fixed, dyn = _ids(21, 200), _ids(22, 40)
+    h = hints("tool-wf", "agent", {"agent": 0, "tool": 1}, step=1, app="tools", fixed_messages=None)
+    h["kvflow_fixed_prefix_tokens"] = len(fixed)
+    res = kvflow.generate(fixed + dyn, max_new_tokens=8, ignore_eos=True, custom_params=h)
+    assert len(res["output_ids"]) == 8, res
+    r = kvflow.post_hints({"kvflow_v": 1, "kvflow_workflow": "tool-wf", "kvflow_app": "tools",
+                           "kvflow_agent": "tool", "kvflow_step": 2,
+                           "kvflow_ste": {"tool": 0, "agent": 1}, "kvflow_event": "transition",
+                           "kvflow_tool_s": {"agent": 30.0}})
+    assert r.status_code in (200, 202), r.text
+    rows = agent_rows(kvflow.snapshot(), "tools/tool-wf")
+    resume = rows.get("agent" + RESUME)
+    assert resume is not None, dump(rows)
+    # the turn SGLang cached: prompt + generated tokens (the last one's KV is not written yet)
+    assert len(fixed) + len(dyn) < resume["tokens"] <= len(fixed) + len(dyn) + 8, dump(rows)
+    assert resume["ste"] == 2 and resume["residency"] == "device", dump(rows)
+    h2 = dict(h, kvflow_step=3)
+    kvflow.generate(fixed + dyn + res["output_ids"] + _ids(23, 20), max_new_tokens=2,
+                    custom_params=h2)
+    rows = agent_rows(kvflow.snapshot(), "tools/tool-wf")
+    assert rows.get("agent" + RESUME) is None or rows["agent" + RESUME]["ste"] is None, dump(rows)

@@ -1,0 +1,132 @@
+"""Tool gaps in the SGLang plugin (``serving/policy/toolgap.py`` over SGLang's tree), on SGLang's
+real UnifiedRadixCache + HiCache controller + host pool (only the copy itself is stood in).
+
+A tool hint (``kvflow_tool_s = {agent: seconds}``) gives the waiting agent's whole last turn a
+resume tag: kept above the dynamic suffixes other requests left (hold, STE 2) while the tool
+runs, brought back from host in time for the resume (near, STE 1), dropped when the agent's
+next request arrives, when the tool is far slower than measured, or when the workflow ends.
+"""
+
+from __future__ import annotations
+
+import math
+import unittest
+from unittest import mock
+
+import pytest
+
+pytest.importorskip("sglang.srt")
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
+from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
+from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
+from sgl_helpers import KVFlowHiCacheSetup, hints, key, run_request  # noqa: E402
+
+from kvflow_agents.protocol import Hints  # noqa: E402
+from kvflow_agents.serving.policy.toolgap import RESUME  # noqa: E402
+
+TAG = ("wf", "A" + RESUME)
+
+
+def seq(base, n):
+    return list(range(base, base + n))
+
+
+class ToolGapTest(KVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.TestCase):
+    cfg = CacheConfig(page_size=4, eviction_policy="kvflow", kv_size=128, max_context_len=256,
+                      max_num_reqs=32)
+
+    def setUp(self):
+        super().setUp()
+        self.clock = [1000.0]
+        self.cache._wall_clock = lambda: self.clock[0]
+        # agent A's turn: fixed prompt 16, its dynamic part 8, what it generated 8
+        self.turn = seq(1000, 16) + seq(5000, 8) + seq(6000, 8)
+        run_request(self, self.cache, self.alloc, self.r2t, self.turn,
+                    hints("wf", "A", {"A": 0, "T": 1}, fixed_tokens=16))
+
+    def tool_starts(self, secs):
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="T", step=1, ste={"T": 0, "A": 1},
+                                            event="transition", tool_s={"A": secs}))
+
+    def device_len(self, tokens):
+        return self.cache.match_prefix(MatchPrefixParams(key=key(tokens))).device_prefix_len
+
+    def ste(self):
+        return self.cache.kv_book.effective_ste(TAG)
+
+    def test_resume_tag_keeps_the_whole_last_turn_then_brings_it_back_in_time(self):
+        self.tool_starts(2.0)
+        node = self.cache.kv_book.agent_node("wf", "A" + RESUME)
+        self.assertIsNotNone(node)
+        self.assertEqual(self.ste(), 2)                          # hold while the tool runs
+        # other requests leave untagged suffixes; eviction takes them, not A's last turn
+        for i in range(4):
+            run_request(self, self.cache, self.alloc, self.r2t, seq(20000 + 100 * i, 16))
+        self.cache.evict(EvictParams(num_tokens=64))
+        self.assertEqual(self.device_len(self.turn), len(self.turn))
+        for i in range(4):
+            self.assertEqual(self.device_len(seq(20000 + 100 * i, 16)), 0)
+        # all of it to host (e.g. a long tool and a busy server); the plan brings it back
+        self._backup_tree(self.cache)
+        self.cache.evict(EvictParams(num_tokens=self.cache.evictable_size()))
+        self.assertEqual(self.device_len(self.turn), 0)
+        self.cache.check_hicache_events()   # A (STE 1) is next: its fixed prefix comes back
+        self.ack_all()
+        self.assertEqual(self.device_len(self.turn), 16)          # the last turn's tail: not yet
+        self.assertFalse(self.cache.kvflow_has_inflight())
+        self.clock[0] += 1.96                     # resume_at - lead (a 4-page load: ~0 here)
+        self.cache.check_hicache_events()
+        self.assertEqual(self.ste(), 1)
+        self.assertTrue(self.cache.kvflow_has_inflight())
+        self.ack_all()
+        self.assertEqual(self.device_len(self.turn), len(self.turn))
+        # the agent's next request reads it (SGLang's match at admission credits the prefetches)
+        self.clock[0] += 0.1
+        reader, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t, self.turn)
+        self.cache.match_prefix(MatchPrefixParams(key=key(self.turn), req=reader))
+        self.assertEqual(self.cache.kv_metrics.prefetch_used, 2)   # A's prefix, then its turn
+        # and closes the gap: its own request pins the path now
+        run_request(self, self.cache, self.alloc, self.r2t, self.turn + seq(7000, 4),
+                    hints("wf", "A", {"A": 0, "T": 1}, step=2, fixed_tokens=16))
+        self.assertEqual(self.ste(), math.inf)
+        self.assertEqual((self.cache.kv_gaps.opened, self.cache.kv_gaps.closed_by_request), (1, 1))
+
+    def test_a_tool_far_slower_than_measured_releases_the_tag(self):
+        self.tool_starts(0.5)
+        self.assertEqual(self.ste(), 2)
+        self.clock[0] += 2 * 0.5 + 1.0 + 0.01                     # past 2 x expected + grace
+        self.cache.check_hicache_events()
+        self.assertEqual(self.ste(), math.inf)
+        self.assertEqual(self.cache.kv_gaps.expired, 1)
+
+    def test_the_workflows_end_drops_its_gaps_and_no_tool_hint_changes_nothing(self):
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="T", step=1, ste={"T": 0, "A": 1},
+                                            event="transition"))
+        self.assertIsNone(self.cache.kv_book.agent_node("wf", "A" + RESUME))
+        self.assertFalse(self.cache.kv_gaps.gaps)
+        self.tool_starts(2.0)
+        self.assertTrue(self.cache.kv_gaps.gaps)
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="T", step=2, ste={}, event="end"))
+        self.assertFalse(self.cache.kv_gaps.gaps)
+        self.assertEqual(self.ste(), math.inf)
+
+
+def test_resume_tag_covers_what_sglang_cached_of_the_turn():
+    """The tokens a finished request hands the gap bookkeeping are SGLang's own record of it
+    (``full_untruncated_fill_ids`` up to the checkpoint): the tag's node ends there."""
+    kit = UnifiedRadixCacheFixtures()
+    kit.cfg = CacheConfig(page_size=4, eviction_policy="kvflow")
+    import sglang.test.kits.unified_radix_cache.fixtures as fx
+
+    from kvflow_agents.serving.sglang.cache import KVFlowRadixCache
+
+    with mock.patch.object(fx, "UnifiedRadixCache", KVFlowRadixCache):
+        cache, alloc, r2t = fx.build_fixture(kit.cfg)
+    turn = seq(300, 16) + seq(400, 10)  # 26 tokens: the tag is page-aligned down to 24
+    run_request(kit, cache, alloc, r2t, turn, hints("wf", "A", {"A": 0}, fixed_tokens=16))
+    assert cache.kv_gaps.last[("wf", "A")] == tuple(turn)
+    cache.kvflow_apply_hints(Hints(workflow="wf", agent="T", ste={"T": 0, "A": 1}, tool_s={"A": 1.0}))
+    assert cache.kv_book.agent_node("wf", "A" + RESUME) is not None
+    assert cache.kv_book.records[TAG].tokens == tuple(turn[:24])
+    assert cache.match_prefix(MatchPrefixParams(key=key(turn))).device_prefix_len == 24
