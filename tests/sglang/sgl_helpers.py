@@ -5,6 +5,11 @@ from __future__ import annotations
 from array import array
 
 
+def seq(base, n):
+    """``n`` consecutive token ids from ``base`` (a distinct, recognisable prompt)."""
+    return list(range(base, base + n))
+
+
 def hints(workflow, agent, ste, *, step=0, fixed_tokens=None, app=None, nxt=()):
     cp = {"kvflow_v": 1, "kvflow_workflow": workflow, "kvflow_agent": agent,
           "kvflow_step": step, "kvflow_ste": dict(ste), "kvflow_next": list(nxt)}

@@ -22,13 +22,9 @@ from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InitLoadBackPar
                                                     MatchPrefixParams)
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
-from sgl_helpers import KVFlowHiCacheSetup, hints, key, matched, run_request  # noqa: E402
+from sgl_helpers import KVFlowHiCacheSetup, hints, key, matched, run_request, seq  # noqa: E402
 
 from kvflow_agents.protocol import Hints  # noqa: E402
-
-
-def seq(base, n):
-    return list(range(base, base + n))
 
 
 class CoreAdoptionTest(KVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.TestCase):

@@ -25,7 +25,7 @@ from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixture
 
 from kvflow_agents.serving.sglang.cache import KVFlowRadixCache, KVFlowStrategy  # noqa: E402
 
-from sgl_helpers import hints, key, run_request  # noqa: E402
+from sgl_helpers import hints, key, run_request, seq  # noqa: E402
 
 
 class Kit(UnifiedRadixCacheFixtures):
@@ -43,10 +43,6 @@ def build(page_size=4, cls=KVFlowRadixCache, policy="kvflow", kv_size=512):
 
 def cached_len(cache, tokens) -> int:
     return cache.match_prefix(fx.MatchPrefixParams(key=key(tokens))).device_prefix_len
-
-
-def seq(base, n):
-    return list(range(base, base + n))
 
 
 def residency(cache):

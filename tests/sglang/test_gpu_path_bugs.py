@@ -39,17 +39,13 @@ from sglang.test.kits.unified_radix_cache import fixtures as fx  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
 from sgl_helpers import (FakeClock, hints, init_hicache_direct, matched,  # noqa: E402
-                         real_copies, run_request)
+                         real_copies, run_request, seq)
 
 from kvflow_agents.protocol import Hints  # noqa: E402
 from kvflow_agents.serving.sglang import host_link  # noqa: E402
 from kvflow_agents.serving.sglang.cache import KVFlowRadixCache  # noqa: E402
 
 GBPS = 1e-6
-
-
-def seq(base, n):
-    return list(range(base, base + n))
 
 
 def device_rows_read(cache, req):

@@ -21,14 +21,10 @@ import sglang.test.kits.unified_radix_cache.fixtures as fx  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
-from sgl_helpers import hints, key, matched, run_request  # noqa: E402
+from sgl_helpers import hints, key, matched, run_request, seq  # noqa: E402
 
 from kvflow_agents.protocol import Hints  # noqa: E402
 from kvflow_agents.serving.sglang.cache import KVFlowRadixCache  # noqa: E402
-
-
-def seq(base, n):
-    return list(range(base, base + n))
 
 
 class PrefetchTest(UnifiedRadixCacheFixtures, unittest.TestCase):

@@ -20,16 +20,12 @@ pytest.importorskip("sglang.srt")
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
-from sgl_helpers import KVFlowHiCacheSetup, hints, key, run_request  # noqa: E402
+from sgl_helpers import KVFlowHiCacheSetup, hints, key, run_request, seq  # noqa: E402
 
 from kvflow_agents.protocol import Hints  # noqa: E402
 from kvflow_agents.serving.policy.toolgap import RESUME  # noqa: E402
 
 TAG = ("wf", "A" + RESUME)
-
-
-def seq(base, n):
-    return list(range(base, base + n))
 
 
 class ToolGapTest(KVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.TestCase):

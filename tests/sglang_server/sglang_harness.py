@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -223,6 +224,12 @@ class SnapshotSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(60)
+
+
+def random_ids(seed: int, n: int, vocab: int = 40000) -> list[int]:
+    """``n`` token ids drawn with ``seed`` (distinct prompts whose KV nothing else shares)."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab) for _ in range(n)]
 
 
 def agent_rows(snapshot: dict, workflow_key: str) -> dict[str, dict]:

@@ -9,28 +9,23 @@ of in lockstep); the same server with ``fcfs`` serves them in arrival order, as 
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
-from sglang_harness import hints
+from sglang_harness import hints, random_ids
 
 APP = "e2e"
 
 
-def _ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
-
 
 def finish_order(client) -> list[str]:
-    client.generate(_ids(1, 16), max_new_tokens=4)  # warm: the first forward pass is slow
+    client.generate(random_ids(1, 16), max_new_tokens=4)  # warm: the first forward pass is slow
     finished: list[str] = []
     lock = threading.Lock()
 
     def run(name: str, seed: int, tokens: int) -> None:
         wf, agent = name.split("-")
-        client.generate(_ids(seed, 32), max_new_tokens=tokens, ignore_eos=True,
+        client.generate(random_ids(seed, 32), max_new_tokens=tokens, ignore_eos=True,
                         custom_params=hints(wf, agent, {agent: 0}, step=0 if agent == "a" else 1,
                                             app=APP, fixed_messages=None))
         with lock:

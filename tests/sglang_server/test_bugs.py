@@ -9,17 +9,12 @@
 
 from __future__ import annotations
 
-import random
 import threading
 
-from sglang_harness import agent_rows, dump, hints
+from sglang_harness import agent_rows, dump, hints, random_ids
 
 APP = "e2e"
 
-
-def _ids(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def test_retracted_request_does_not_replay_old_hints(retract):
@@ -34,7 +29,7 @@ def test_retracted_request_does_not_replay_old_hints(retract):
     results: dict[str, dict] = {}
 
     def run(i: int, w: str) -> None:
-        results[w] = retract.generate(_ids(50 + i, 64), max_new_tokens=40, ignore_eos=True,
+        results[w] = retract.generate(random_ids(50 + i, 64), max_new_tokens=40, ignore_eos=True,
                                       custom_params=hints(wf, w, step1, step=1, app=APP,
                                                           fixed_messages=None))
 

@@ -7,14 +7,9 @@ a request that read a prefix before its load finished would not decode the same 
 
 from __future__ import annotations
 
-import random
 
-from sglang_harness import DEVICE_TOKENS, agent_rows, dump, hints
+from sglang_harness import DEVICE_TOKENS, agent_rows, dump, hints, random_ids
 
-
-def _ids(seed: int, n: int, vocab: int = 40000) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, vocab) for _ in range(n)]
 
 
 def _tier(res: dict) -> tuple[int, int]:
@@ -31,11 +26,11 @@ def _push_out_of_device(client, seed: int) -> None:
     """Fill the device pool with unrelated prompts (LRU and KVFlow both evict the old prefix
     to host: it has no hint, so it is +inf to KVFlow)."""
     for k in range(4):
-        client.generate(_ids(seed * 100 + k, DEVICE_TOKENS // 3), max_new_tokens=1)
+        client.generate(random_ids(seed * 100 + k, DEVICE_TOKENS // 3), max_new_tokens=1)
 
 
 def test_device_hit_host_load_and_recompute_give_the_same_tokens(stock, kvflow):
-    prompt = _ids(7, 900)
+    prompt = random_ids(7, 900)
     for name, client in (("stock", stock), ("kvflow", kvflow)):
         cold = client.generate(prompt, max_new_tokens=12)           # computed
         hot = client.generate(prompt, max_new_tokens=12)            # device hit
@@ -61,11 +56,11 @@ def test_device_hit_host_load_and_recompute_give_the_same_tokens(stock, kvflow):
 def test_input_ids_path_tags_the_declared_fixed_prefix(kvflow):
     """``/generate`` with ``input_ids``: hints in ``sampling_params.custom_params``, the fixed
     prefix declared in tokens."""
-    fixed = _ids(11, 400)
+    fixed = random_ids(11, 400)
     h = hints("ids-wf", "solo", {"solo": 0}, step=1, app="ids", fixed_messages=None)
     h["kvflow_fixed_prefix_tokens"] = len(fixed)
     for k in range(2):
-        res = kvflow.generate(fixed + _ids(100 + k, 30), max_new_tokens=4, custom_params=h)
+        res = kvflow.generate(fixed + random_ids(100 + k, 30), max_new_tokens=4, custom_params=h)
         assert res["output_ids"], res
     rows = agent_rows(kvflow.snapshot(), "ids/ids-wf")
     assert rows["solo"]["tokens"] == len(fixed), dump(rows)
@@ -90,7 +85,7 @@ def test_tool_hint_tags_the_agents_last_turn_on_the_real_server(kvflow):
     on the real server: held at STE 2 while the tool runs; the agent's next request closes it."""
     from kvflow_agents.serving.policy.toolgap import RESUME
 
-    fixed, dyn = _ids(21, 200), _ids(22, 40)
+    fixed, dyn = random_ids(21, 200), random_ids(22, 40)
     h = hints("tool-wf", "agent", {"agent": 0, "tool": 1}, step=1, app="tools", fixed_messages=None)
     h["kvflow_fixed_prefix_tokens"] = len(fixed)
     res = kvflow.generate(fixed + dyn, max_new_tokens=8, ignore_eos=True, custom_params=h)
@@ -107,7 +102,7 @@ def test_tool_hint_tags_the_agents_last_turn_on_the_real_server(kvflow):
     assert len(fixed) + len(dyn) < resume["tokens"] <= len(fixed) + len(dyn) + 8, dump(rows)
     assert resume["ste"] == 2 and resume["residency"] == "device", dump(rows)
     h2 = dict(h, kvflow_step=3)
-    kvflow.generate(fixed + dyn + res["output_ids"] + _ids(23, 20), max_new_tokens=2,
+    kvflow.generate(fixed + dyn + res["output_ids"] + random_ids(23, 20), max_new_tokens=2,
                     custom_params=h2)
     rows = agent_rows(kvflow.snapshot(), "tools/tool-wf")
     assert rows.get("agent" + RESUME) is None or rows["agent" + RESUME]["ste"] is None, dump(rows)
