@@ -8,8 +8,8 @@ Both tiers are one tensor each, same layout as the model reads
 
 Page ids are handed out by the policy's allocators; this class never allocates.
 
-- ``backup_to_host(device_pages, host_pages)``: synchronous copy device -> host (after any
-  load still copying).
+- ``backup_to_host(device_pages, host_pages)``: synchronous copy device -> host (after the
+  loads still copying into those device pages or, on CPU, out of those host pages).
 - ``start_load(host_pages, device_pages) -> ready_time``: copies host -> device in the
   background, as a GPU's copy engine would: on CUDA on a separate stream after the compute
   stream's current work, recorded with an event; on CPU on one copy thread (a FIFO, so loads
@@ -64,8 +64,9 @@ class PagedKVPool:
         self.host_kv = torch.zeros(host_shape, dtype=self.dtype,
                                    pin_memory=self._cuda and torch.cuda.is_available())
         self._link_free_at = 0.0
-        # unfinished loads: (cuda event | copy-thread future, device pages written)
-        self._pending: list[tuple[object, frozenset[int]]] = []
+        # unfinished loads: (cuda event | copy-thread future, device pages written, host pages
+        # read: only the CPU copy thread reads them late; a CUDA load stages them at once)
+        self._pending: list[tuple[object, frozenset[int], frozenset[int]]] = []
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # CPU loads
         if copy_thread is None:
@@ -115,9 +116,9 @@ class PagedKVPool:
         else:
             _check_ids(host_pages, self.num_host_pages)
             _check_ids(device_pages, self.num_device_pages)
-            # a load still copying may read these host pages (freed since) or write these
-            # device pages: let it land first (backups are rare once the pool is warm)
-            self.synchronize()
+            # a load still copying may write these device pages or read these host pages
+            # (freed since): let those land first; the others go on in the background
+            self._wait_cpu_loads(set(device_pages), set(host_pages))
             _copy_pages(self.host_kv, host_pages, self.device_kv, device_pages)
         self.stats["backup_pages"] += len(device_pages)
         self.stats["backup_s"] += time.perf_counter() - t0
@@ -145,7 +146,8 @@ class PagedKVPool:
                     self._copier = concurrent.futures.ThreadPoolExecutor(
                         max_workers=1, thread_name_prefix="kvflow-kv-copy")
                 fut = self._copier.submit(self._timed_copy, list(device_pages), list(host_pages))
-                self._pending.append((fut, frozenset(int(p) for p in device_pages)))
+                self._pending.append((fut, frozenset(int(p) for p in device_pages),
+                                      frozenset(int(p) for p in host_pages)))
             ready = start
         if self.host_link_gbps:
             begin = max(start, self._link_free_at)
@@ -188,13 +190,13 @@ class PagedKVPool:
             d.record_stream(stream)  # allocated on the compute stream, used on ours
             ev = torch.cuda.Event()
             ev.record(stream)
-        self._pending.append((ev, pages))
+        self._pending.append((ev, pages, frozenset()))
 
     def is_ready(self, device_pages: Sequence[int] | None = None) -> bool:
         """True when no unfinished copy writes any of ``device_pages`` (all pages if None)."""
         self._prune()
         want = None if device_pages is None else set(device_pages)
-        return not any(want is None or want & pages for _, pages in self._pending)
+        return not any(want is None or want & pages for _, pages, _host in self._pending)
 
     def wait_loads(self, device_pages: Sequence[int] | None = None) -> None:
         """Loads into ``device_pages`` (all if None) happen before what follows: on CUDA the
@@ -205,19 +207,24 @@ class PagedKVPool:
         want = None if device_pages is None else set(device_pages)
         if self._cuda:
             cur = torch.cuda.current_stream(self.device)
-            for ev, pages in self._pending:
+            for ev, pages, _host in self._pending:
                 if want is None or want & pages:
                     cur.wait_event(ev)
         else:
-            for fut, pages in self._pending:
-                if want is None or want & pages:
-                    fut.result()  # a copy that failed raises here, on the reader's thread
+            self._wait_cpu_loads(want, set())
         self._prune()
+
+    def _wait_cpu_loads(self, device_pages: set | None, host_pages: set) -> None:
+        """CPU: block until the loads writing any of ``device_pages`` (all loads if None) or
+        reading any of ``host_pages`` are copied."""
+        for fut, pages, host in self._pending:
+            if device_pages is None or device_pages & pages or host_pages & host:
+                fut.result()  # a copy that failed raises here, on the reader's thread
 
     def synchronize(self) -> None:
         """Block the CPU until every load has finished."""
         pending, self._pending = self._pending, []
-        for done, _ in pending:
+        for done, _, _host in pending:
             if self._cuda:
                 done.synchronize()
             else:
@@ -225,9 +232,9 @@ class PagedKVPool:
 
     def _prune(self) -> None:
         if self._cuda:
-            self._pending = [(ev, p) for ev, p in self._pending if not ev.query()]
+            self._pending = [e for e in self._pending if not e[0].query()]
         else:
-            self._pending = [(f, p) for f, p in self._pending if not f.done()]
+            self._pending = [e for e in self._pending if not e[0].done()]
 
 
 # A copy of up to this many runs goes slice by slice; more (a fragmented pool) one gather.

@@ -133,6 +133,49 @@ def test_cpu_loads_run_on_a_copy_thread_in_order(tiny16):
     assert inline._copier is None and inline.is_ready() and torch.all(inline.device_kv[:, :, 2] == 5.0)
 
 
+def test_a_backup_waits_only_for_the_loads_it_touches(tiny16):
+    """A backup waits for a load still copying into its device pages or out of its host pages
+    (they may have been freed and reused since); one on other pages does not stall the engine
+    thread behind the copy thread."""
+    import threading
+
+    _, _, cfg = tiny16
+    pool = make_pool(cfg, device_pages=8, host_pages=8, copy_thread=True)
+    for p in range(8):
+        pool.host_kv[:, :, p] = float(p)
+    pool.device_kv[:, :, 3] = 30.0
+
+    def held_load():
+        """host 1, 2 -> device 5, 6, queued behind a gate on the copy thread."""
+        gate = threading.Event()
+        pool.start_load([0], [0])               # (starts the copy thread)
+        pool._copier.submit(gate.wait)
+        pool.start_load([1, 2], [5, 6])
+        assert not pool.is_ready([5])
+        return gate
+
+    def backup(device, host) -> tuple[threading.Event, threading.Thread]:
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (pool.backup_to_host(device, host), done.set()), daemon=True)
+        t.start()
+        return done, t
+
+    gate = held_load()
+    done, t = backup([3], [4])                  # other pages: at once, the load still held
+    assert done.wait(5) and not pool.is_ready([5]) and torch.all(pool.host_kv[:, :, 4] == 30.0)
+    gate.set()
+    for device, host in (([5], [7]), ([3], [2])):   # the load's device page / its host page
+        gate = held_load()
+        done, t = backup(device, host)
+        assert not done.wait(0.2)               # held behind the load
+        gate.set()
+        t.join(5)
+        assert done.is_set() and pool.is_ready()
+    pool.close()
+    assert torch.all(pool.host_kv[:, :, 7] == 1.0)   # device 5 after its load landed
+    assert torch.all(pool.host_kv[:, :, 2] == 30.0)  # written only after the load read it
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_stream_load_roundtrip(tiny16):
     from kvflow_agents.serving.embedded.model import load_model

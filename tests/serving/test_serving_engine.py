@@ -57,13 +57,33 @@ def test_engine_sets_torch_threads_when_asked(tiny_model):
         EngineConfig(torch_threads=0).validate()
 
 
-def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model):
+def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model, monkeypatch):
     """With the pool copying loads on its own thread, a kvflow engine whose pool holds ~2 of 4
     agent prompts (later calls read KV loaded from host in the background) writes exactly the
-    greedy tokens of an oracle that never evicts (deterministic mode). The pool's ordering and
+    greedy tokens of an oracle that never evicts (deterministic mode). Each copy here is slower
+    than the emulated link (80 ms against < 1 ms) and fills its pages with NaN when it starts,
+    so a request admitted at the link's ready time whose prefill did not wait for the copy
+    (``pool.wait_loads``) would read NaN and write other tokens. The pool's ordering and
     waits are tested directly in tests/embedded/test_embedded_pool.py."""
+    import time
+
     import torch
 
+    from kvflow_agents.serving.embedded.kv_pool import PagedKVPool
+
+    copy, start = PagedKVPool._timed_copy, PagedKVPool.start_load
+
+    def slow_copy(self, device_pages, host_pages):
+        time.sleep(0.08)
+        copy(self, device_pages, host_pages)
+
+    def poisoning_start(self, host_pages, device_pages):
+        if self.copy_thread and len(device_pages):  # nothing may read these pages until copied
+            self.device_kv.index_fill_(2, torch.tensor(list(device_pages)), float("nan"))
+        return start(self, host_pages, device_pages)
+
+    monkeypatch.setattr(PagedKVPool, "_timed_copy", slow_copy)
+    monkeypatch.setattr(PagedKVPool, "start_load", poisoning_start)
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # a core left free: the pool copies on its thread (auto)
     try:
