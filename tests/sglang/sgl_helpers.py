@@ -129,6 +129,16 @@ class KVFlowHiCacheSetup:
         self.cache.loading_check()
 
 
+class ClockedKVFlowHiCacheSetup(KVFlowHiCacheSetup):
+    """:class:`KVFlowHiCacheSetup` with the plugin's clock in the test's hand: ``self.clock[0]``
+    (seconds) is what the cache reads as wall time (leases, loads, tool-gap plans)."""
+
+    def setUp(self):
+        super().setUp()
+        self.clock = [1000.0]
+        self.cache._wall_clock = lambda: self.clock[0]
+
+
 def matched(test, cache, tokens):
     """A queued request right after SGLang's own match of it (``init_next_round_input`` in the
     prefill builder): ``last_node``, ``prefix_len``, host hit... set from ``match_prefix`` with

@@ -22,19 +22,18 @@ from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InitLoadBackPar
                                                     MatchPrefixParams)
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
-from sgl_helpers import KVFlowHiCacheSetup, hints, key, matched, run_request, seq  # noqa: E402
+from sgl_helpers import (ClockedKVFlowHiCacheSetup, hints, key, matched,  # noqa: E402
+                         run_request, seq)
 
 from kvflow_agents.protocol import Hints  # noqa: E402
 
 
-class CoreAdoptionTest(KVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.TestCase):
+class CoreAdoptionTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.TestCase):
     cfg = CacheConfig(page_size=4, eviction_policy="kvflow", kv_size=128, max_context_len=256,
                       max_num_reqs=32)
 
     def setUp(self):
         super().setUp()
-        self.clock = [1000.0]
-        self.cache._wall_clock = lambda: self.clock[0]
         self.fixed = {"A": seq(1000, 16), "B": seq(2000, 16)}
 
     def req(self, agent, ste):

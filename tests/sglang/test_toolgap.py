@@ -20,7 +20,7 @@ pytest.importorskip("sglang.srt")
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
-from sgl_helpers import KVFlowHiCacheSetup, hints, key, run_request, seq  # noqa: E402
+from sgl_helpers import ClockedKVFlowHiCacheSetup, hints, key, run_request, seq  # noqa: E402
 
 from kvflow_agents.protocol import Hints  # noqa: E402
 from kvflow_agents.serving.policy.toolgap import RESUME  # noqa: E402
@@ -28,14 +28,12 @@ from kvflow_agents.serving.policy.toolgap import RESUME  # noqa: E402
 TAG = ("wf", "A" + RESUME)
 
 
-class ToolGapTest(KVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.TestCase):
+class ToolGapTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.TestCase):
     cfg = CacheConfig(page_size=4, eviction_policy="kvflow", kv_size=128, max_context_len=256,
                       max_num_reqs=32)
 
     def setUp(self):
         super().setUp()
-        self.clock = [1000.0]
-        self.cache._wall_clock = lambda: self.clock[0]
         # agent A's turn: fixed prompt 16, its dynamic part 8, what it generated 8
         self.turn = seq(1000, 16) + seq(5000, 8) + seq(6000, 8)
         run_request(self, self.cache, self.alloc, self.r2t, self.turn,
