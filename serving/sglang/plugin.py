@@ -97,7 +97,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from . import hooks, http_api
-    from .cache import ensure_eviction_policy_registered
+    from .strategy import ensure_eviction_policy_registered
 
     ensure_eviction_policy_registered()
     if BACKEND_NAME not in registered_radix_cache_backends():

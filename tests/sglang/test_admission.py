@@ -23,7 +23,8 @@ from sgl_helpers import hints  # noqa: E402
 
 from kvflow_agents.serving.policy.admission import AdmissionOrder  # noqa: E402
 from kvflow_agents.serving.sglang import hooks  # noqa: E402
-from kvflow_agents.serving.sglang.cache import KVFlowRadixCache, KVFlowStrategy  # noqa: E402
+from kvflow_agents.serving.sglang.cache import KVFlowRadixCache  # noqa: E402
+from kvflow_agents.serving.sglang.strategy import KVFlowStrategy  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -23,7 +23,8 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: 
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures  # noqa: E402
 
-from kvflow_agents.serving.sglang.cache import KVFlowRadixCache, KVFlowStrategy  # noqa: E402
+from kvflow_agents.serving.sglang.cache import KVFlowRadixCache  # noqa: E402
+from kvflow_agents.serving.sglang.strategy import KVFlowStrategy  # noqa: E402
 
 from sgl_helpers import hints, key, run_request, seq  # noqa: E402
 
@@ -286,7 +287,7 @@ def test_eviction_strategy_adapter_orders_a_foreign_tree():
     import heapq
 
     from kvflow_agents.serving.policy import PriorityIndex
-    from kvflow_agents.serving.sglang.cache import EvictionStrategyAdapter
+    from kvflow_agents.serving.sglang.strategy import EvictionStrategyAdapter
 
     class Foreign:  # stands in for SGLang's UnifiedTreeNode
         def __init__(self, parent, t):
