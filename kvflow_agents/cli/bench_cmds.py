@@ -69,14 +69,19 @@ def _progress(enabled: bool, console):
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as prog:
-        tasks: dict = {}
+        tasks: dict = {}   # label -> [task id, total, done]
 
         def hook(event: str, n: int) -> None:
             kind, _, label = event.partition(":")
             if kind == "start":
-                tasks[label] = prog.add_task(f"{label:>8}", total=n)
+                tasks[label] = [prog.add_task(f"{label:>8}", total=n), n, 0]
             elif label in tasks:
-                prog.advance(tasks[label], n)
+                t = tasks[label]
+                t[2] += n
+                if t[2] > t[1]:  # an estimate (PEER: retries add calls): the bar never overfills
+                    t[1] = t[2]
+                    prog.update(t[0], total=t[1])
+                prog.advance(t[0], n)
         yield hook
 
 

@@ -382,3 +382,22 @@ def test_cache_cost_saving_from_counters():
     assert cs["kvflow"]["lru"] == pytest.approx(4.6 / 4.75) and cs["kvflow"]["hicache"] == pytest.approx(2.1 / 2.25)
     assert report.annotate_cache_cost(rs, {}) is None
     assert "cost saving vs lru" in dict(report.rows(rs, wide=False))
+
+
+def test_progress_bars_grow_when_a_run_makes_more_calls_than_estimated():
+    """PEER's call count is an estimate (a failed review adds calls): the bar's total follows
+    what was done instead of printing 45/40."""
+    import io
+
+    from rich.console import Console
+
+    from kvflow_agents.cli.bench_cmds import _progress
+
+    out = io.StringIO()
+    console = Console(file=out, width=80, force_terminal=False)
+    with _progress(True, console) as hook:
+        hook("start:kvflow", 4)
+        for _ in range(6):
+            hook("advance:kvflow", 1)
+    text = out.getvalue()
+    assert "6/6" in text and "6/4" not in text, text
