@@ -410,10 +410,10 @@ class KVFlowRadixCache(UnifiedRadixCache):
             return False
         if not any(getattr(r, "kvflow_hinted", False) for r in waiting_queue):
             return False
-        last = (INF,)
-
         def key(r):
-            k = getattr(r, "kvflow_admission_key", None) or last
+            # a request that reached the queue another way than the intake hook: keyed now
+            # (its arrival for this order), so hinted newcomers never starve it
+            k = getattr(r, "kvflow_admission_key", None) or self.kvflow_admission_key(r, None)
             if priority_sign is None:
                 return k
             return ((getattr(r, "priority", None) or 0) * priority_sign, k)

@@ -83,6 +83,19 @@ def test_oldest_workflow_first_unhinted_by_arrival(cache):
     assert cache.kv_stats["queue_sorts"] == 1
 
 
+def test_a_request_queued_without_the_intake_hook_is_keyed_when_first_sorted(cache):
+    q = Queue(cache)
+    q.add("w1", "plan")
+    stray = Req(rid="stray-None-None", origin_input_text="", origin_input_ids=array("q", range(8)),
+                sampling_params=SamplingParams(temperature=0, max_new_tokens=4))
+    q.sched.waiting_queue.insert(0, stray)  # e.g. a path that bypassed _add_request_to_queue
+    fcfs(cache).calc_priority(q.sched.waiting_queue)
+    assert q.names() == ["w1-plan", "None-None"] and stray.kvflow_admission_key is not None
+    q.add("w2", "plan")                     # a newer workflow does not jump ahead of it
+    fcfs(cache).calc_priority(q.sched.waiting_queue)
+    assert q.names() == ["w1-plan", "None-None", "w2-plan"]
+
+
 def test_a_requeued_request_keeps_its_place(cache):
     q = Queue(cache)
     a = q.add("w1", "plan")
