@@ -153,7 +153,7 @@ class PrefetchTest(UnifiedRadixCacheFixtures, unittest.TestCase):
         lb.assert_not_called()
         self.assertGreaterEqual(self.cache.kv_metrics.prefetch_budget_skips, 1)
         # were the budget estimate wrong, SGLang's eviction walk still stops at the floor
-        from kvflow_agents.serving.sglang.cache import _SGLangTarget
+        from kvflow_agents.serving.sglang.loads import _SGLangTarget
 
         with mock.patch.object(_SGLangTarget, "evictable_above", return_value=10**6):
             self.assertEqual(self.cache.kvflow_prefetch(), [])
