@@ -91,9 +91,12 @@ def test_peer_runs_the_same_workflow_on_both(peer_runs):
 
 def test_peer_prefix_cache_hits_per_agent(peer_runs, tokenizer):
     """Every agent's fixed prompt is reused: each agent's later calls hit the cache, except
-    where the plugin chose to recompute a host-only prefix because its measured link is slower
-    than its measured prefill (the harness's link is deliberately slow, 1 s per 1000 tokens, and
-    the tiny model prefills far faster): then it must have declined loads for that reason."""
+    where the plugin chose to recompute a host-only prefix (the harness's link is deliberately
+    slow, 1 s per 1000 tokens, and the tiny model prefills far faster): then it must have
+    declined loads. The decision uses the link and prefill estimates *of that moment* (link
+    queue, scheduler step, calibration so far), so the end-of-run estimates are reported with
+    a miss but not required to favour recomputing (one CI run declined the planner's loads
+    while the final estimates favoured loading: a calibration lead, not a cache miss)."""
     final, before = peer_runs["kvflow:final"], peer_runs["kvflow:before"]
     link = final["link"]
     declined = sum(final["metrics"][k] - before["metrics"][k]
@@ -111,8 +114,7 @@ def test_peer_prefix_cache_hits_per_agent(peer_runs, tokenizer):
             later = by_agent[agent][1:]
             assert later, (name, agent)
             if name == "kvflow" and max(later) < fixed:
-                assert recompute_cheaper and declined > 0, (agent, by_agent[agent], fixed, link,
-                                                            declined)
+                assert declined > 0, (agent, by_agent[agent], fixed, link, recompute_cheaper)
                 continue
             assert max(later) >= fixed, (name, agent, by_agent[agent], fixed)
 
