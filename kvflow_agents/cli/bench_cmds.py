@@ -69,19 +69,19 @@ def _progress(enabled: bool, console):
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as prog:
-        tasks: dict = {}   # label -> [task id, total, done]
+        tasks: dict = {}
 
         def hook(event: str, n: int) -> None:
             kind, _, label = event.partition(":")
             if kind == "start":
-                tasks[label] = [prog.add_task(f"{label:>8}", total=n), n, 0]
+                tasks[label] = prog.add_task(f"{label:>8}", total=n)
             elif label in tasks:
-                t = tasks[label]
-                t[2] += n
-                if t[2] > t[1]:  # an estimate (PEER: retries add calls): the bar never overfills
-                    t[1] = t[2]
-                    prog.update(t[0], total=t[1])
-                prog.advance(t[0], n)
+                tid = tasks[label]
+                prog.advance(tid, n)
+                task = next(t for t in prog.tasks if t.id == tid)
+                if task.total is not None and task.completed > task.total:
+                    # the total is an estimate (PEER: retries add calls): never overfill
+                    prog.update(tid, total=task.completed)
         yield hook
 
 

@@ -83,6 +83,7 @@ class _SGLangTarget:
 class KVFlowLoads:
     """The load-back half of :class:`~.cache.KVFlowRadixCache` (module doc)."""
 
+    # ------------------------------------------------------------------ landed prefetches
     def _evict_device_leaf(self, node_id, tracker):
         backup = super()._evict_device_leaf(node_id, tracker)
         if self._kv_landed:
