@@ -9,8 +9,9 @@ the app's model name), which the gateway routes by the routing key to the instan
 workflow, and which a kvflow server answers without running the model.
 
 Best effort by design: :meth:`HintReporter.report` only puts the hints on a bounded queue
-(dropping them when it is full) and returns at once; one daemon thread posts them with a short
-timeout and logs failures at debug level. Nothing here blocks or fails the user's run.
+(dropping them when it is full) and returns at once; one daemon thread posts them (connect
+timeout 1 s, answer timeout 10 s) and logs failures at debug level. Nothing here blocks or
+fails the user's run.
 
 Where is the server? ``HintReporter(base_url)`` when given (``instrument(graph,
 hints_url=...)``); otherwise the server the app's own LLM requests went to, which the transport
@@ -38,7 +39,11 @@ log = logging.getLogger("kvflow_agents")
 HINTS_PATH = "/kvflow/v1/hints"
 CARRIER_PATH = "/v1/completions"
 QUEUE_SIZE = 1024
-POST_TIMEOUT_S = 2.0
+# A hint answers in microseconds, but a server (or the gateway before it) on a saturated host can
+# take seconds; the thread posts in the background, so waiting costs only queue delay, while a
+# give-up loses the event (an ``end`` then leaves the workflow's cache held until it expires).
+POST_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 1.0   # a server that is down refuses at once; don't let it stall the queue
 
 _servers: dict[str, str] = {}  # app id (or "" for any) -> server root
 _servers_lock = threading.Lock()
@@ -120,7 +125,7 @@ class _Poster:
             return False
 
     def _run(self) -> None:
-        self._client = httpx.Client(timeout=httpx.Timeout(POST_TIMEOUT_S, connect=1.0))
+        self._client = httpx.Client(timeout=httpx.Timeout(POST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
         while True:
             item = self.queue.get()
             try:
