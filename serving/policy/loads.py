@@ -15,7 +15,7 @@ What it answers:
 - ``should_load(pages, recompute_s)``: load rather than recompute (True without an estimate);
 - ``recompute_s(n_tokens, ctx)``: the engine's recompute estimate (``recompute_cost`` callable,
   a fixed ``recompute_s_per_token``, or the prefill speed it reports with
-  :meth:`observe_prefill`); ``None`` means "no estimate: always load".
+  :meth:`observe_prefill`, weighted by tokens); ``None`` means "no estimate: always load".
 
 ``secs_per_page`` is configured (bytes per page / link bytes per second) or measured from the
 loads that landed (link time only: a load queued behind another is timed from when the link
@@ -91,6 +91,7 @@ class LoadTracker:
         self.recompute_cost = recompute_cost
         self.admission_delay_s = 0.0     # EMA of the engine's busy scheduler step
         self.measured_prefill_spt: float | None = None
+        self._prefill_s = self._prefill_n = 0.0  # decayed sums behind it (observe_prefill)
         self._step_ema, self._prefill_ema = step_ema, prefill_ema
         self.link_free_at = 0.0
         self.inflight_prefetch = 0
@@ -145,13 +146,18 @@ class LoadTracker:
         self.admission_delay_s = (1 - a) * self.admission_delay_s + a * max(0.0, seconds)
 
     def observe_prefill(self, n_tokens: int, seconds: float) -> None:
-        """The engine prefilled ``n_tokens`` in ``seconds`` (the recompute estimate, EMA)."""
-        if n_tokens <= 0:
+        """The engine prefilled ``n_tokens`` in ``seconds`` (the recompute estimate).
+
+        Token-weighted: the ratio of decayed sums of seconds and tokens, not an average of
+        per-prefill ratios. A prefill of a few tokens (a request whose prompt was cached) takes
+        mostly the step's fixed cost, and as a ratio it would price every token 10-100x too
+        high; the question the estimate answers is what a prompt's worth of tokens costs."""
+        if n_tokens <= 0 or seconds < 0:
             return
-        spt = seconds / n_tokens
-        old = self.measured_prefill_spt
-        a = self._prefill_ema
-        self.measured_prefill_spt = spt if old is None else (1 - a) * old + a * spt
+        keep = 1.0 - self._prefill_ema
+        self._prefill_s = keep * self._prefill_s + seconds
+        self._prefill_n = keep * self._prefill_n + n_tokens
+        self.measured_prefill_spt = self._prefill_s / self._prefill_n
 
     # ------------------------------------------------------------------ life cycle
     def start(self, nodes: list, pages: int, kind: str, now: float, *, ready: float | None = None,

@@ -20,8 +20,8 @@ embedded engine and the simulator:
   or prefetch, is tracked until its ack is reaped (``loading_check``); the measured durations
   calibrate the link estimate (seconds per page) the planner and the demand decision use. A
   demand load (``init_load_back``) is skipped, and the host part recomputed, when the estimate
-  (link queue + transfer + one scheduler step) exceeds recomputing (measured prefill speed, or
-  ``recompute_s_per_token``). A request held back because its prefix is still loading records
+  (link queue + transfer + one scheduler step) exceeds recomputing (the prefill speed measured
+  per batch, or ``recompute_s_per_token``). A request held back because its prefix is still loading records
   the wait (:meth:`kvflow_blocked`): exposed load time; the first request that reads a
   prefetch credits it (hidden / exposed, ``kv_metrics``). These overrides of SGLang's load
   path live in ``loads.py`` (:class:`~.loads.KVFlowLoads`, a mixin of this class).
@@ -80,7 +80,6 @@ class ReqHints:
     app: Optional[str]
     fixed_tokens: Optional[int]     # declared boundary in tokens (None: infer)
     tagged: bool = False            # done for this request (later checkpoints skip the work)
-    timed: bool = False             # its prefill speed was measured
     held: bool = True               # its agent is not prefetched while it waits (the core's rule)
 
 
@@ -161,6 +160,7 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
         self._kv_landed: dict[int, Any] = {}       # loaded node id -> landed, unread prefetch
         self._kv_queue: Optional[Callable[[], list]] = None
         self._kv_last_step: Optional[float] = None
+        self._kv_prefills: dict[float, list] = {}   # batch forward entry -> [tokens, end]
         self._evict_floor: Optional[float] = None
         self.kv_stats = {"tags": 0, "prefetch_skipped_no_slot": 0, "prefetch_declined": 0,
                          "hints": 0, "hint_errors": 0, "stale_hints": 0, "requeued": 0,
@@ -271,6 +271,8 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
 
     def _kv_tick(self) -> None:
         self._kv_steps += 1
+        if self._kv_prefills:
+            self._time_prefills()
         if self._multi_rank() and self._kv_steps % self.CLOCK_SYNC_STEPS == 1:  # first, then every N
             import torch
 
@@ -430,6 +432,7 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
     # ------------------------------------------------------------------ tagging
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
         super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        self._note_prefill(req)
         info = self._req_hints.get(getattr(req, "rid", None))
         if info is None:
             return
@@ -439,8 +442,6 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
             # what the agent's resumed turn would start with (a tool gap's resume tag)
             self.kv_gaps.finished(info.workflow, info.agent, info.app,
                                   req.full_untruncated_fill_ids[:up_to])
-        if not info.timed:
-            info.timed = self._time_prefill(req)
         if info.tagged:
             return
         try:
@@ -455,16 +456,34 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
         if info is not None:
             self._unhold(info)
 
-    def _time_prefill(self, req) -> bool:
-        """The prefill speed (the recompute estimate), from SGLang's own request timestamps."""
+    def _note_prefill(self, req) -> None:
+        """Add a request whose prefill just finished to its batch's prefill timing (every
+        request, hinted or not: they share the batch's forward time)."""
+        if getattr(req, "kvflow_prefill_noted", False):
+            return
         ts = getattr(req, "time_stats", None)
         t0, t1 = getattr(ts, "forward_entry_time", 0.0), getattr(ts, "prefill_finished_time", 0.0)
         if not (t0 and t1 and t1 > t0):
-            return False
+            return  # a middle chunk: its prefill has not finished
+        req.kvflow_prefill_noted = True
         n = len(req.origin_input_ids) - int(getattr(req, "cached_tokens", 0) or 0)
-        if n > 0:
-            self._calibration().observe_prefill(n, t1 - t0)
-        return True
+        batch = self._kv_prefills.setdefault(t0, [0, t1])
+        batch[0] += max(0, n)
+        batch[1] = max(batch[1], t1)
+
+    def _time_prefills(self) -> None:
+        """The prefill speed (the recompute estimate), one sample per prefill batch.
+
+        SGLang stamps every request of a new prefill batch with one ``forward_entry_time``
+        (``set_time_batch``), and each request's ``prefill_finished_time`` is the batch's end:
+        one request's ``t1 - t0`` is the whole batch's time. Divided by that request's own
+        tokens it priced a token up to 100x too high when a request with a cached prompt shared
+        the batch with an uncached one; summed per batch it is the batch's tokens per second.
+        Called at the next scheduler step, after every request of the batch was cached."""
+        batches, self._kv_prefills = self._kv_prefills, {}
+        for t0, (n, t1) in batches.items():
+            if n > 0:
+                self._calibration().observe_prefill(n, t1 - t0)
 
     def _tag_request(self, req, info: ReqHints) -> bool:
         """Tag the request's fixed prefix; True when done (or nothing to do ever)."""

@@ -126,6 +126,45 @@ class CoreAdoptionTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, uni
         self.assertAlmostEqual(self.cache.kv_loads.secs_per_page, 0.1)
         self.assertAlmostEqual(self.cache.kvflow_snapshot()["link"]["secs_per_page"], 0.1)
 
+    def _prefill_batch(self, prompts, t0, t1, cached=None, unfinished=()):
+        """One prefill batch as SGLang's scheduler records it: every request stamped with the
+        batch's forward entry (``set_time_batch``), its prefill end, then cached."""
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        from sglang.srt.observability.req_time_stats import set_time_batch
+
+        reqs = [self._make_inflight_req(self.cache, self.alloc, self.r2t, p)[0] for p in prompts]
+        with mock.patch("sglang.srt.observability.req_time_stats.time.perf_counter", return_value=t0):
+            set_time_batch(reqs, "set_forward_entry_time")
+        for i, r in enumerate(reqs):
+            r.cached_tokens = (cached or {}).get(i, 0)
+            if i in unfinished:      # a chunked request's middle chunk: no prefill end yet
+                continue
+            r.time_stats.set_prefill_finished_time(t1)
+            r.finished_reason = FINISH_LENGTH(length=1)
+            self.cache.checkpoint(r, up_to=len(prompts[i]))
+            self.cache.unlock(r.lock)
+            r.lock = None
+        return reqs
+
+    def test_prefill_speed_is_measured_per_batch_not_per_request(self):
+        """Four requests in one batch (48 new tokens in 0.2 s, one with its 16-token prompt
+        cached, one still mid-chunk): one sample, the batch's tokens over its time (a single
+        request's ``t1 - t0`` over its own 8 tokens would say 25 ms per token)."""
+        loads = self.cache.kv_loads
+        self._prefill_batch([seq(1000, 20), seq(2000, 20), seq(1000, 16) + seq(3000, 8),
+                             seq(4000, 40)], 5.0, 5.2, cached={2: 16}, unfinished=(3,))
+        self.assertIsNone(loads.measured_prefill_spt)   # counted once the batch is complete
+        self.cache.kvflow_step()
+        self.assertAlmostEqual(loads.measured_prefill_spt, 0.2 / 48)
+        self.assertAlmostEqual(self.cache.kvflow_snapshot()["link"]["recompute_s_per_token"], 0.2 / 48)
+        # a lone request with a cached prompt (4 new tokens, mostly the step's fixed cost)
+        # moves the estimate by its tokens' weight
+        self._prefill_batch([seq(1000, 16) + seq(5000, 4)], 6.0, 6.05, cached={0: 16})
+        self.cache.kvflow_step()
+        keep = 1 - loads._prefill_ema
+        self.assertAlmostEqual(loads.measured_prefill_spt, (keep * 0.2 + 0.05) / (keep * 48 + 4))
+        self.assertLess(loads.measured_prefill_spt, 0.2 / 48 * 1.5)
+
     def test_demand_load_declined_when_recomputing_is_cheaper(self):
         self.req("A", {"A": 0})
         self.offload_all()
