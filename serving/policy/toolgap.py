@@ -73,15 +73,20 @@ class ToolGaps:
         self.lead_margin_s = lead_margin_s
         self.min_grace_s = min_grace_s
         self.max_tracked = max_tracked
-        self.last: "OrderedDict[tuple, tuple]" = OrderedDict()  # (wf key, agent) -> last turn's tokens
+        # (wf key, agent) -> (last turn's tokens, how to find its node: None = the book's locate)
+        self.last: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.gaps: dict[tuple, Gap] = {}                         # (wf key, agent) -> open gap
         self.opened = self.closed_by_request = self.expired = 0
 
     # ------------------------------------------------------------------ events
-    def finished(self, workflow: str, agent: str, app: str | None, tokens: Sequence[int]) -> None:
-        """A request of ``agent`` finished with ``tokens`` (prompt + generated, with KV) cached."""
+    def finished(self, workflow: str, agent: str, app: str | None, tokens: Sequence[int],
+                 locate: Callable[[tuple], Any] | None = None) -> None:
+        """A request of ``agent`` finished with ``tokens`` (prompt + generated, with KV) cached.
+        ``locate``: how to find that turn's node when a gap opens, for an engine whose tree
+        keys more than tokens (SGLang: the request's LoRA / cache-salt namespace); None: the
+        tag book's own."""
         key = (workflow_key(workflow, app), agent)
-        self.last[key] = tuple(tokens)
+        self.last[key] = (tuple(tokens), locate)
         self.last.move_to_end(key)
         while len(self.last) > self.max_tracked:
             self.last.popitem(last=False)
@@ -92,14 +97,14 @@ class ToolGaps:
         out = []
         for agent, secs in tool_s.items():
             key = (workflow_key(workflow, app), agent)
-            tokens = self.last.get(key)
+            tokens, locate = self.last.get(key, ((), None))
             if not tokens:
                 continue
             secs = max(0.0, float(secs))
             gap = Gap(workflow, app, agent, now, now + secs, now + 2 * secs + self.min_grace_s)
             self.gaps[key] = gap
             self.tags.tag_fixed_prefix(tokens, len(tokens), workflow, resume_agent(agent), app=app,
-                                       remember=False)
+                                       locate=locate, remember=False)
             self.opened += 1
             self._set(gap, self._plan(gap, now), now)
             out.append(agent)

@@ -440,8 +440,11 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
         if req.finished():
             self._req_hints.pop(req.rid, None)
             # what the agent's resumed turn would start with (a tool gap's resume tag)
+            extra, salt = req.extra_key, getattr(req, "cache_salt", None)
             self.kv_gaps.finished(info.workflow, info.agent, info.app,
-                                  req.full_untruncated_fill_ids[:up_to])
+                                  req.full_untruncated_fill_ids[:up_to],
+                                  locate=None if extra is None and salt is None else
+                                  lambda prefix: self._locate(prefix, extra, salt))
         if info.tagged:
             return
         try:
@@ -513,13 +516,15 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
             self.kv_stats["tags"] += 1
         return True
 
-    def _locate(self, prefix: tuple):
-        """The book's default locate (app-prefix binding, no request): the node where a cached
-        prefix ends (no extra key)."""
-        res = self.match_prefix(MatchPrefixParams(key=self._radix_key(prefix, None, None)))
+    def _locate(self, prefix: tuple, extra_key=None, cache_salt=None):
+        """The node where a cached prefix ends, split there. The book's default locate (an app
+        prefix bound to a new workflow: no request, no extra key); a tool gap's resume tag
+        passes its request's LoRA id / cache salt (SGLang keys the tree by them too)."""
+        key = self._radix_key(prefix, extra_key, cache_salt)
+        res = self.match_prefix(MatchPrefixParams(key=key))
         if res.device_prefix_len < len(prefix) // self.page_size * self.page_size:
             return None
-        return self._prefix_node(prefix, None, None, res.last_device_node)
+        return self._prefix_node(prefix, extra_key, cache_salt, res.last_device_node)
 
     def _radix_key(self, tokens, extra_key, cache_salt) -> RadixKey:
         return RadixKey(array("q", tokens), extra_key, is_bigram=self.tree_core.is_eagle,

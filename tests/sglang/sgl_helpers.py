@@ -20,13 +20,16 @@ def hints(workflow, agent, ste, *, step=0, fixed_tokens=None, app=None, nxt=()):
     return cp
 
 
-def run_request(t, cache, allocator, r2t, tokens, custom_params=None, *, unlock=True):
+def run_request(t, cache, allocator, r2t, tokens, custom_params=None, *, unlock=True,
+                extra_key=None):
     """What the scheduler does for one request, with SGLang's real Req and cache calls:
     queue (hint intake) -> KV in the request's own slots -> checkpoint into the tree ->
-    release the request's lock. ``t`` is a kit fixture mixin instance."""
+    release the request's lock. ``t`` is a kit fixture mixin instance; ``extra_key``: the
+    request's tree namespace (a LoRA id / cache salt)."""
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 
     req, _ = t._make_inflight_req(cache, allocator, r2t, tokens)
+    req.extra_key = extra_key
     if custom_params is not None:
         req.sampling_params.custom_params = custom_params
     if hasattr(cache, "kvflow_on_request"):

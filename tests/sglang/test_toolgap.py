@@ -106,6 +106,26 @@ class ToolGapTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest
         self.assertEqual(self.ste(), math.inf)
 
 
+class ToolGapNamespaceTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.TestCase):
+    """A LoRA adapter's (or a cache salt's) request lives under its own key in SGLang's tree:
+    its resume tag goes on that path, not on another namespace's identical tokens."""
+    cfg = ToolGapTest.cfg
+
+    def test_the_resume_tag_follows_the_requests_namespace(self):
+        turn = seq(1000, 16) + seq(5000, 8) + seq(6000, 8)
+        run_request(self, self.cache, self.alloc, self.r2t, turn)   # the base model's copy
+        run_request(self, self.cache, self.alloc, self.r2t, turn,
+                    hints("wf", "A", {"A": 0, "T": 1}, fixed_tokens=16), extra_key="lora-7")
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="T", step=1, ste={"T": 0, "A": 1},
+                                            event="transition", tool_s={"A": 2.0}))
+        node = self.cache.kv_book.agent_node("wf", "A" + RESUME)
+        self.assertIsNotNone(node)
+        self.assertEqual(node.key.extra_key, "lora-7")
+        on_path = self.cache.match_prefix(MatchPrefixParams(
+            key=self.cache._radix_key(turn, "lora-7", None))).last_device_node
+        self.assertEqual(on_path, node.id)     # the whole turn, on the adapter's path
+
+
 def test_resume_tag_covers_what_sglang_cached_of_the_turn():
     """The tokens a finished request hands the gap bookkeeping are SGLang's own record of it
     (``full_untruncated_fill_ids`` up to the checkpoint): the tag's node ends there."""
@@ -119,7 +139,7 @@ def test_resume_tag_covers_what_sglang_cached_of_the_turn():
         cache, alloc, r2t = fx.build_fixture(kit.cfg)
     turn = seq(300, 16) + seq(400, 10)  # 26 tokens: the tag is page-aligned down to 24
     run_request(kit, cache, alloc, r2t, turn, hints("wf", "A", {"A": 0}, fixed_tokens=16))
-    assert cache.kv_gaps.last[("wf", "A")] == tuple(turn)
+    assert cache.kv_gaps.last[("wf", "A")][0] == tuple(turn)
     cache.kvflow_apply_hints(Hints(workflow="wf", agent="T", ste={"T": 0, "A": 1}, tool_s={"A": 1.0}))
     assert cache.kv_book.agent_node("wf", "A" + RESUME) is not None
     assert cache.kv_book.records[TAG].tokens == tuple(turn[:24])
