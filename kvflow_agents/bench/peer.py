@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 from uuid import UUID
 
+from kvflow_agents.serving.policy.policies import is_reference
+
 from .runner import (PolicyResult, ServerConfig, ServerSet, _add_counters, _raw, fetch_cache_metrics,
                      finish_counters, metrics_delta, rotated, summarize_workload)
 from .workload import CallRecord, RoundRecord, WorkloadResult, token_counter
@@ -236,7 +238,7 @@ def _pool_bound(res, server: ServerConfig, label: str) -> dict:
         spp = 0.0
     policy = (server.variants.get(label) or (label,))[0]
     t = totals(_raw(res)["calls"], pool_tokens=server.device_tokens, page_size=server.page_size,
-               secs_per_page=spp, growable=policy == "oracle")
+               secs_per_page=spp, growable=is_reference(policy))
     return {k: t[k] for k in ("device_miss", "bound", "beat_bound")}
 
 

@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from kvflow_agents.serving.policy.policies import is_reference
+
 
 @dataclass(frozen=True)
 class CallBound:
@@ -148,7 +150,7 @@ def summarize(doc: dict, slack_s: float = GAP_SLACK_S) -> dict:
             raise ValueError(f"{name}: no per-call records; run the bench with --raw")
         policy = (variants.get(name) or [name])[0]
         rows[name] = totals(calls, pool_tokens=pool, page_size=ps, secs_per_page=spp, slack_s=slack_s,
-                            growable=policy == "oracle")
+                            growable=is_reference(policy))
     base = rows.get("hicache")
     for name, r in rows.items():
         r["same_pool_saving"] = (same_pool_saving(base["device_miss"], r["device_miss"], r["bound"])

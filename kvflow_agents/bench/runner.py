@@ -21,11 +21,15 @@ from dataclasses import dataclass, field
 from statistics import mean, median
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from kvflow_agents.serving.policy.policies import POLICIES as _REGISTRY
+from kvflow_agents.serving.policy.policies import is_reference
+
 from .server import BenchServer, serve_args
 from .workload import (CallRecord, TokenCounter, WorkflowDriver, WorkloadResult, WorkloadSpec,
                        summarize_calls)
 
-POLICIES = ("lru", "hicache", "kvflow", "oracle")
+POLICIES = tuple(_REGISTRY)   # every registered policy can be a column
+ORACLES = tuple(p for p in POLICIES if is_reference(p))   # references, not contenders
 
 _COUNTERS = ("requests", "hit_tokens_device", "hit_tokens_host", "hit_tokens_loading", "miss_tokens",
              "backup_pages", "dropped_pages", "demand_loads", "demand_load_pages", "prefetch_issued",

@@ -6,8 +6,6 @@ from typing import List, Optional
 
 import typer
 
-_POLICIES = ("lru", "hicache", "kvflow", "oracle")
-
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -21,7 +19,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         device: str = typer.Option("cpu", help="cpu or cuda."),
         host: str = typer.Option("127.0.0.1", help="Bind address."),
         port: int = typer.Option(30000, help="Port."),
-        policy: str = typer.Option("kvflow", help="Cache policy: lru | hicache | kvflow | oracle."),
+        policy: str = typer.Option("kvflow", help="Cache policy: lru | hicache | kvflow | oracle | "
+                                   "oracle-pool (the oracle with this pool for running requests)."),
         device_tokens: int = typer.Option(8192, min=16, help="Device KV pool budget, in tokens."),
         host_tokens: int = typer.Option(65536, min=0, help="Host KV pool, in tokens (hicache/kvflow)."),
         page_size: int = typer.Option(16, min=1, help="Tokens per KV page."),
@@ -117,8 +116,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"unknown engine {engine!r}; choose embedded or sglang", param_hint="--engine")
         if ctx.args:
             raise typer.BadParameter(f"unknown option(s) for the embedded engine: {' '.join(ctx.args)}")
-        if policy not in _POLICIES:
-            raise typer.BadParameter(f"choose one of {', '.join(_POLICIES)}", param_hint="--policy")
+        from kvflow_agents.serving.policy.policies import POLICIES
+        if policy not in POLICIES:
+            raise typer.BadParameter(f"choose one of {', '.join(POLICIES)}", param_hint="--policy")
         from kvflow_agents.serving.policy.admission import ADMISSION_ORDERS
         if admission is not None and admission not in ADMISSION_ORDERS:
             raise typer.BadParameter(f"choose {' or '.join(ADMISSION_ORDERS)}", param_hint="--admission")

@@ -223,7 +223,9 @@ class Engine:
     @property
     def capacity_tokens(self) -> Optional[int]:
         """Device tokens a single request may use (None: unbounded, the oracle)."""
-        return None if not self.policy.evicts else self.manager.device.capacity * self.page_size
+        if not self.policy.admission_pool_bound:
+            return None
+        return self.manager.device_pages * self.page_size
 
     # ================================================================ building requests
     def make_request(self, *, messages: Optional[Sequence[dict]] = None, prompt: Optional[str] = None,

@@ -89,6 +89,7 @@ class KVCacheManager:
         # the order engines admit waiting sessions in (``session.admission_key``); None: the policy's
         self.admission = AdmissionOrder(admission or self.policy.admission, max_age_s=admission_max_age_s)
         self.page_size = page_size
+        self.device_pages = device_pages   # the configured pool (a growable one grows past it)
         self.backend = backend if backend is not None else NullTransferBackend()
         self.metrics = CacheMetrics()
         bpp = bytes_per_page if bytes_per_page is not None else getattr(self.backend, "bytes_per_page", 0)
@@ -164,9 +165,13 @@ class KVCacheManager:
     def room_for(self, n_pages: int) -> bool:
         """Whether a session may take ``n_pages`` (allocated now or reserved) and leave every
         running session's reserve coverable by free + evictable pages (session.py, S1)."""
-        if not self.store.policy.evicts:  # a growable pool (oracle)
-            return True
         store = self.store
+        if not store.policy.evicts:  # a growable pool (the oracles)
+            if not store.policy.admission_pool_bound:
+                return True
+            # oracle-pool: cached pages are free; what requests hold must fit the configured pool
+            held = store.device.num_used - store.evictable
+            return self.device_pages - held - self.decode_reserved >= n_pages
         return store.device.num_free + store.evictable - self.decode_reserved >= n_pages
 
     def unpin_waiting(self, keep: RequestSession | None = None) -> None:

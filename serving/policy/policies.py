@@ -4,16 +4,19 @@ A policy only answers questions (which order to evict in, whether to keep a host
 to prefetch); :class:`~.manager.KVCacheManager` does the bookkeeping. Like SGLang's
 ``EvictionStrategy``: the node with the *smallest* ``eviction_key`` goes first.
 
-========  ===========  ==============  =========================  ====================  =========
-name      device tier  host tier       eviction order             loads                 admission
-========  ===========  ==============  =========================  ====================  =========
-lru       bounded      none            LRU                        recompute on miss     fcfs
-hicache   bounded      write-through   LRU (both tiers)           on demand             fcfs
-kvflow    bounded      write-through   largest STE first, LRU     on demand + prefetch  workflow
-oracle    unbounded    none            never evicts               -                     fcfs
-========  ===========  ==============  =========================  ====================  =========
+===========  ===========  ==============  =========================  ====================  =========
+name         device tier  host tier       eviction order             loads                 admission
+===========  ===========  ==============  =========================  ====================  =========
+lru          bounded      none            LRU                        recompute on miss     fcfs
+hicache      bounded      write-through   LRU (both tiers)           on demand             fcfs
+kvflow       bounded      write-through   largest STE first, LRU     on demand + prefetch  workflow
+oracle       unbounded    none            never evicts               -                     fcfs
+oracle-pool  unbounded *  none            never evicts               -                     fcfs
+===========  ===========  ==============  =========================  ====================  =========
 
 ``admission``: the order engines try waiting requests in (:mod:`.admission`).
+``*`` cached prefixes are free, but running requests get the bounded policies' pool
+(``admission_pool_bound``): the best any cache policy could do *with this pool*.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class CachePolicy:
     prefetch = False        # run the prefetch planner on hint updates / ticks
     status_aware = False    # the scheduler should skip requests whose prefix is loading
     admission = "fcfs"      # waiting requests' order (admission.ADMISSION_ORDERS)
+    # requests are admitted only while what running requests hold fits the configured pool
+    # (a bounded pool: always; a growable one: see PoolOraclePolicy)
+    admission_pool_bound = True
 
     def eviction_key(self, priority: float, last_access: int) -> tuple:
         """Smallest key is evicted first (both tiers)."""
@@ -106,6 +112,19 @@ class OraclePolicy(CachePolicy):
 
     name = "oracle"
     evicts = False
+    admission_pool_bound = False
+
+
+class PoolOraclePolicy(OraclePolicy):
+    """The oracle with the bounded policies' memory for running requests: every prefix ever
+    computed stays cached for free (its pool grows for them), but a request is admitted only
+    while the pages running requests hold, plus its own, fit the configured pool, as under
+    lru / hicache / kvflow. The plain oracle also runs more requests at once than that pool
+    allows (in a tight pool, parallel branches that every bounded policy serializes), which no
+    cache policy can buy; this one is the latency no cache policy can beat with this pool."""
+
+    name = "oracle-pool"
+    admission_pool_bound = True
 
 
 POLICIES: dict[str, Callable[..., CachePolicy]] = {
@@ -113,7 +132,15 @@ POLICIES: dict[str, Callable[..., CachePolicy]] = {
     "hicache": HiCachePolicy,
     "kvflow": KVFlowPolicy,
     "oracle": OraclePolicy,
+    "oracle-pool": PoolOraclePolicy,
 }
+
+
+def is_reference(name: str) -> bool:
+    """An oracle (a growable device pool: a reference to compare with, not a contender);
+    False for names that are not registered (a bench's variant label)."""
+    cls = POLICIES.get(name)
+    return cls is not None and not cls.evicts
 
 
 def get_policy(name: "str | CachePolicy", **kwargs) -> CachePolicy:

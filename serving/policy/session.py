@@ -228,7 +228,7 @@ class RequestSession:
             new = store.allocate(need) if mgr.room_for(need + later) else None
             if new is None:
                 raise CacheFullError(f"{need + later} device pages needed; the pool holds "
-                                     f"{store.device.capacity}")
+                                     f"{mgr.device_pages}")
         if new is None:
             return False
         if self._wait_since is not None:

@@ -180,6 +180,19 @@ def test_achievable_saving_pairs_trials_and_reports_the_spread():
     vals = dict(report.rows(rs, wide=False))["saving vs lru"]
     assert vals == ["-", "0.58", "0.92", "-"]       # hicache (2.2-1.5)/1.2, kvflow 1.1/1.2
     assert report.saving_ratios(rs[:3]) == {}
+    assert "saving vs hicache, pool" not in names            # no oracle-pool column
+    # with the pool oracle: each policy's share of *its* saving over hicache, and its own share
+    # of the unbounded oracle's (what any policy could take with this pool)
+    rs3 = rs + [_trial_result("oracle-pool", [1.1, 1.2, 1.1])]
+    pool = report.saving_ratios(rs3, oracle="oracle-pool")
+    assert pool["kvflow"]["hicache"]["ratio"] == pytest.approx((1.5 - 1.1) / (1.5 - 1.1))
+    assert [v for _, v in pool["kvflow"]["hicache"]["trials"]] == pytest.approx(
+        [0.45 / 0.4, 0.5 / 0.4, 0.3 / 0.4])
+    assert "oracle-pool" not in pool and "lru" not in pool
+    assert report.saving_ratios(rs3)["oracle-pool"]["hicache"]["ratio"] == pytest.approx(0.4 / 0.5)
+    table = dict(report.rows(rs3, wide=False))
+    assert table["saving vs hicache, pool"] == ["-", "-", "1.00", "-", "-"]
+    assert report.to_json({}, rs3)["saving_same_pool"]["kvflow"]["hicache"]["ratio"] == pytest.approx(1.0)
     before = {"hit_tokens_device": 10, "miss_tokens": 10, "load_hidden_s": 1.0, "load_exposed_s": 0.0,
               "evictions": {"device:alloc": 1}}
     after = {"hit_tokens_device": 40, "miss_tokens": 20, "hit_tokens_host": 0, "hit_tokens_loading": 0,
@@ -189,6 +202,7 @@ def test_achievable_saving_pairs_trials_and_reports_the_spread():
     assert d["evictions"] == {"device:alloc": 2}
     assert metrics_delta(None, after) is None
     assert parse_policies("lru, kvflow") == ["lru", "kvflow"]
+    assert parse_policies("kvflow,oracle-pool") == ["kvflow", "oracle-pool"]
     for bad in ("lru,fifo", "", "lru,lru"):
         with pytest.raises(ValueError):
             parse_policies(bad)

@@ -214,6 +214,24 @@ def test_oracle_never_evicts():
     assert all(m.match([i, i, i]).device_len == 3 for i in range(10))
 
 
+@pytest.mark.parametrize("policy", ["oracle", "oracle-pool"])
+def test_the_pool_oracle_caches_for_free_but_runs_requests_in_the_pool(policy):
+    """Both oracles keep every prefix (never evict, the pool grows for the cache); only the
+    plain one also runs more requests at once than the configured pool holds."""
+    m = make_manager(policy, page_size=1, device_pages=6, host_pages=0)
+    for i in range(10):
+        put(m, [i, i, i])                  # 30 cached pages in a 6-page pool
+    assert all(m.match([i, i, i]).device_len == 3 for i in range(10))
+    s1 = m.arrive([0, 0, 0, 7, 7, 7], kv_tokens=6)   # 3 cached + 3 new
+    assert s1.admit()
+    s2 = m.arrive([1, 1, 1, 8, 8, 8], kv_tokens=6)   # 3 + 3 more: 12 held > 6
+    assert s2.admit() is (policy == "oracle")
+    if policy == "oracle-pool":
+        s1.finish()                        # room again: s1's pages are cache now
+        assert s2.admit()
+    assert m.metrics.evictions == {}
+
+
 def _host_only_agents(m, agents, wf="w"):
     """Put each agent's prefix (3 pages) on device, then push all of it to host."""
     for i, a in enumerate(agents):

@@ -110,7 +110,7 @@ def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model,
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("policy", ["lru", "hicache", "kvflow", "oracle"])
+@pytest.mark.parametrize("policy", ["lru", "hicache", "kvflow", "oracle", "oracle-pool"])
 def test_no_page_leaks_under_concurrent_mixed_load(tiny_model, policy):
     """Many concurrent agent requests in a pool that holds ~3 prefixes: everything finishes, the
     cache's invariants hold, and no page stays held outside the radix tree."""
@@ -144,14 +144,37 @@ def test_no_page_leaks_under_concurrent_mixed_load(tiny_model, policy):
             return e.manager.snapshot()
         snap = eng.call(check)
         dev, m = snap["pools"]["device"], snap["metrics"]
-        if policy != "oracle":
+        if not policy.startswith("oracle"):
             assert sum(m["evictions"].values()) > 0       # the pool was really under pressure
         if policy in ("hicache", "kvflow"):
             assert m["backup_pages"] > 0 and m["demand_loads"] + m["prefetch_issued"] > 0
         assert dev["used"] == dev["tree"]
-        if policy != "oracle":
+        if not policy.startswith("oracle"):
             assert dev["used"] <= dev["capacity"]
+        else:
+            assert not m["evictions"] and dev["capacity"] > 768 // eng.page_size   # grew instead
         assert sum(o.cached_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("policy", ["oracle", "oracle-pool"])
+def test_the_pool_oracle_runs_no_more_than_the_pool_holds(tiny_model, policy):
+    """Two requests that do not fit the pool together: the pool oracle runs them one after the
+    other, as a bounded policy must; the plain oracle runs them at once."""
+    events: list = []
+    with Engine(loaded=tiny_model, model="tiny-random", policy=policy, device_tokens=256,
+                max_batch=4, start=False) as eng:
+        def req(name: str, base: int) -> Request:
+            ids = [(base + i) % 250 + 3 for i in range(150)]   # distinct prompts (byte vocab)
+            return Request(ids, SamplingParams(max_tokens=4, ignore_eos=True),
+                           lambda ev, n=name: events.append((n, ev.done is not None)))
+        eng.submit(req("A", 0))
+        eng.submit(req("B", 100))
+        eng.start()
+        wait_until(lambda: sum(done for _, done in events) == 2, timeout=60)
+        assert eng.capacity_tokens == (256 if policy == "oracle-pool" else None)
+    first_b = next(i for i, (n, _) in enumerate(events) if n == "B")
+    a_done = events.index(("A", True))
+    assert (a_done < first_b) is (policy == "oracle-pool"), events
 
 
 def test_scheduler_status_aware_skip_and_age_rule():
