@@ -153,6 +153,12 @@ def _serve_options(words, hint: str) -> tuple:
     return words
 
 
+_SERVER_FLAG_HELP = ("Pass this flag to every embedded server (repeatable; e.g. "
+                     "--server-flag=--partial-eviction): compare an engine setting run against "
+                     "run; --server-flag=--deterministic makes greedy outputs, hence the work, "
+                     "the same under every policy.")
+
+
 def _server_flags(flags: Optional[List[str]]) -> tuple:
     """``--server-flag`` values: each one ``kvflow serve`` option (``--name`` or ``--name=value``)."""
     for f in flags or ():
@@ -291,10 +297,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         lookahead: int = typer.Option(1, min=0, help="Server prefetch lookahead (STE)."),
         max_batch: int = typer.Option(16, min=1, help="Server max batch."),
         server_threads: Optional[int] = typer.Option(None, min=0, help=_SERVER_THREADS_HELP),
-        server_flag: Optional[List[str]] = typer.Option(
-            None, help="Pass this flag to every embedded server (repeatable; e.g. "
-                       "--server-flag=--partial-eviction): compare an engine setting run "
-                       "against run."),
+        server_flag: Optional[List[str]] = typer.Option(None, help=_SERVER_FLAG_HELP),
         policy_variant: Optional[List[str]] = typer.Option(None, help=_VARIANT_HELP),
         base_url: Optional[str] = typer.Option(None, help="Measure this running server (…/v1) instead."),
         served_model: Optional[str] = typer.Option(None, help="Model name sent with --base-url."),

@@ -10,6 +10,7 @@ import typer
 from .bench_cmds import (
     _DEFAULT_POLICIES,
     _HINTS_HELP,
+    _SERVER_FLAG_HELP,
     _VARIANT_HELP,
     _hint_mode,
     _policies,
@@ -17,6 +18,7 @@ from .bench_cmds import (
     _round_page,
     _run_and_report,
     _runs_policy,
+    _server_flags,
     _variants_json,
     command_line,
 )
@@ -55,6 +57,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         hints: str = typer.Option("on", help=_HINTS_HELP),
         hint_lag: int = typer.Option(2, min=1, help="--hints stale: STE map from this many requests earlier."),
         policy_variant: Optional[List[str]] = typer.Option(None, help=_VARIANT_HELP),
+        server_flag: Optional[List[str]] = typer.Option(None, help=_SERVER_FLAG_HELP),
         next_run: bool = typer.Option(True, help="The app's hints name the next question's planner while "
                                       "the reviewer runs (kvflow.instrument(next_run=True)): questions come "
                                       "one after another."),
@@ -78,9 +81,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
         _hint_mode(hints)
         pols, variants = _policy_variants(policy_variant, _policies(policies))
-        if variants and base_url:
-            raise typer.BadParameter("passes options to the embedded servers this command starts; "
-                                     "not with --base-url", param_hint="--policy-variant")
+        extra_args = _server_flags(server_flag)
+        for given, hint in ((extra_args, "--server-flag"), (variants, "--policy-variant")):
+            if given and base_url:
+                raise typer.BadParameter("passes options to the embedded servers this command starts; "
+                                         "not with --base-url", param_hint=hint)
         console = Console(stderr=json_out == "-")
         from kvflow_agents.bench import peer as peer_bench
 
@@ -126,10 +131,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                           + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
             server = ServerConfig(model=model, device_tokens=dev, host_tokens=host_tokens,
                                   page_size=page_size, host_link_gbps=link, lookahead=lookahead,
-                                  variants=variants)
+                                  extra_args=extra_args, variants=variants)
             meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host_tokens,
                               "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
-                              "fixed_prompt_tokens": fixed_toks,
+                              "extra_args": list(extra_args), "fixed_prompt_tokens": fixed_toks,
                               "variants": _variants_json(variants)}
         meta["command"] = command_line("peer")
         title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "
