@@ -306,6 +306,7 @@ def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, 
         return narrow
     return narrow + [
         ("TTFT p90 (ms)", w("ttft_p90_s", "ms")),
+        ("of TTFT: queued (ms)", w("queue_mean_s", "ms")),
         ("match: device / host / loading / miss", [
             " / ".join(_fmt((r.server or {}).get(f"{k}_rate"), "%") for k in ("device", "host", "loading", "miss"))
             if r.server else "-" for r in results]),

@@ -260,6 +260,7 @@ class CallRecord:
     computed_tokens: Optional[int] = None
     load_wait_s: Optional[float] = None
     server_ttft_s: Optional[float] = None
+    queue_s: Optional[float] = None   # server: arrival -> prefill start (the rest of TTFT: prefill)
     hints: Optional[str] = None       # the server's x-kvflow-hints answer
     instance: Optional[str] = None    # x-kvflow-instance: which worker answered (behind a gateway)
 
@@ -304,6 +305,7 @@ def _usage_fields(rec: CallRecord, usage: Optional[dict]) -> None:
         rec.computed_tokens = kv.get("computed_tokens")
         rec.load_wait_s = kv.get("load_wait_s")
         rec.server_ttft_s = kv.get("ttft_s")
+        rec.queue_s = kv.get("queue_s")
 
 
 async def chat_call(client: Any, base_url: str, model: str, messages: list[dict], *,
@@ -525,6 +527,8 @@ def summarize_calls(calls: Sequence[CallRecord]) -> dict:
         "ttft_p90_s": pct(ttft, 0.9),
         "server_ttft_mean_s": (mean([c.server_ttft_s for c in ok]) if ok and all(
             c.server_ttft_s is not None for c in ok) else None),
+        "queue_mean_s": (mean([c.queue_s for c in ok]) if ok and all(
+            c.queue_s is not None for c in ok) else None),
         "call_latency_mean_s": mean([c.latency_s for c in ok]) if ok else None,
         # time a call spends after its first token (decode, streaming, client): what no cache saves
         "after_first_token_mean_s": mean([c.latency_s - c.ttft_s for c in ok]) if ok else None,

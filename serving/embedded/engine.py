@@ -47,7 +47,7 @@ device pool / active tenants (no cap while one tenant is active).
 Deterministic mode (``EngineConfig.deterministic``): batch-invariant decode kernels
 (``LlamaModel.decode_batch(invariant_rows=max_batch)``), prefill chunks that end at multiples of
 ``deterministic_chunk`` (absolute positions, whatever shares the step's budget), prefix reuse
-aligned to those chunks (``session.admit(reuse_align=)``), and only prompt KV cached
+aligned to those chunks (the manager's ``reuse_align``), and only prompt KV cached
 (decode-written KV is not bit-identical to a prefill's). Greedy output then depends on the
 request alone, not on batching or cache state.
 
@@ -152,7 +152,8 @@ class Engine:
             link_bytes_per_s=cfg.host_link_gbps * 1e9 if cfg.host_link_gbps else None,
             reserve_window=2 * cfg.max_batch,  # prefetch never takes what queued work needs
             admission=cfg.admission, partial_eviction=cfg.partial_eviction,
-            lazy_decode=cfg.lazy_decode_pages)
+            lazy_decode=cfg.lazy_decode_pages,
+            reuse_align=cfg.deterministic_chunk if cfg.deterministic else 1)
         status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware
         self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
                                    max_skip_s=cfg.max_skip_s)
@@ -511,9 +512,8 @@ class Engine:
         return req.session.looked and self._poll(req)
 
     def _admit(self, req: Request) -> bool:
-        align = self.config.deterministic_chunk if self.config.deterministic else 1
         try:
-            if not req.session.admit(reuse_align=align):
+            if not req.session.admit():
                 return False  # wait for running requests to free memory (no overtaking)
         except CacheFullError:
             self._finish(req, "error", error="not enough device KV memory for this request")

@@ -82,8 +82,15 @@ class KVCacheManager:
                  recompute_s_per_token: float | None = None,
                  recompute_cost: Callable[[int, int], float] | None = None,
                  min_partial_prefetch_pages: int = 4, admission: str | None = None,
-                 admission_max_age_s: float = 600.0, lazy_decode: bool = False) -> None:
+                 admission_max_age_s: float = 600.0, lazy_decode: bool = False,
+                 reuse_align: int = 1) -> None:
         self.policy = get_policy(policy)
+        # a request reuses a cached prefix only in whole multiples of this many tokens (an
+        # engine's batch-invariant mode: prefill chunks at fixed positions); sessions use it
+        # both at admission and in the prefetch reserve, so the two agree on what a request takes
+        if reuse_align < 1:
+            raise ValueError("reuse_align must be >= 1")
+        self.reuse_align = reuse_align
         # sessions allocate decode pages as they reach them (session.grow), not at admission
         self.lazy_decode = lazy_decode
         # the order engines admit waiting sessions in (``session.admission_key``); None: the policy's

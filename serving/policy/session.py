@@ -177,7 +177,17 @@ class RequestSession:
         store = self._mgr.store
         p = store.peek(self.tokens)
         have = p.device_len if p.needs_load else p.cached_len
-        return max(0, self._total_pages() - have // store.page_size)
+        return max(0, self._total_pages() - self._reusable(have) // store.page_size)
+
+    def _reusable(self, cached: int) -> int:
+        """Tokens of a ``cached`` prefix admission reuses (the rest is prefilled): whole pages,
+        at least one prompt token left to prefill, whole multiples of the manager's
+        ``reuse_align``. The reserve and ``admit`` both count with it, so a prefetch never
+        takes the pages a waiting request will still need (it once took the tail a 256-token
+        alignment left to recompute, and the request waited for the prefetch to land)."""
+        ps = self._mgr.store.page_size
+        reuse = min(cached, (len(self.tokens) - 1) // ps * ps)  # prefill needs >= 1 new token
+        return reuse - reuse % max(1, self._mgr.reuse_align)
 
     def _total_pages(self) -> int:
         return max(1, -(-self.kv_tokens // self._mgr.store.page_size))
@@ -189,14 +199,13 @@ class RequestSession:
         return min(self._total_pages(), max(1, -(-len(self.tokens) // self._mgr.store.page_size)))
 
     # ------------------------------------------------------------------ admission
-    def admit(self, *, load_inline: bool = False, recompute_s: float | None = None,
-              reuse_align: int = 1) -> bool:
+    def admit(self, *, load_inline: bool = False, recompute_s: float | None = None) -> bool:
         """Take device pages for the whole request (``kv_tokens``; lazy decode: the prompt's, and
         reserve the rest, S1): the cached prefix's own pages, then new ones. False: not now
         (memory is short; wait for running requests).
         ``load_inline``: a host-only or loading part is waited for inside the engine's batch
         (``ready_at``) instead of beforehand; ``recompute_s`` decides a load started here.
-        ``reuse_align``: reuse only whole multiples of it (a deterministic engine's chunk)."""
+        The prefix is reused as :meth:`_reusable` says (the manager's ``reuse_align``)."""
         if self.state != "waiting":
             raise RuntimeError(f"admit: session is {self.state}")
         mgr, store = self._mgr, self._mgr.store
@@ -217,8 +226,7 @@ class RequestSession:
                 pages = [p for n in m.node.path() for p in n.device_pages]
                 self.ready_at = ready
         ps = store.page_size
-        reuse = min(usable, (len(self.tokens) - 1) // ps * ps)  # prefill needs >= 1 new token
-        reuse -= reuse % max(1, reuse_align)
+        reuse = self._reusable(usable)
         prefix = list(pages[:reuse // ps])
         need = self._upfront_pages() - len(prefix)
         later = self._total_pages() - self._upfront_pages()

@@ -470,6 +470,8 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
             return  # a middle chunk: its prefill has not finished
         req.kvflow_prefill_noted = True
         n = len(req.origin_input_ids) - int(getattr(req, "cached_tokens", 0) or 0)
+        if t0 not in self._kv_prefills and len(self._kv_prefills) >= 64:
+            self._time_prefills()  # no scheduler step came (the cache driven on its own)
         batch = self._kv_prefills.setdefault(t0, [0, t1])
         batch[0] += max(0, n)
         batch[1] = max(batch[1], t1)

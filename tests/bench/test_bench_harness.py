@@ -227,6 +227,11 @@ def test_cli_rejects_bad_flags():
     assert r.exit_code == 2 and "--server-threads" in r.output
     r = runner.invoke(app, ["bench", "workflow", "--server-flag", "partial-eviction"], env=env)
     assert r.exit_code == 2 and "--server-flag" in r.output and "not a kvflow serve option" in r.output
+    r = runner.invoke(app, ["bench", "peer", "--server-flag", "deterministic"], env=env)
+    assert r.exit_code == 2 and "not a kvflow serve option" in r.output
+    r = runner.invoke(app, ["bench", "peer", "--server-flag=--deterministic", "--base-url",
+                            "http://127.0.0.1:9/v1"], env=env)
+    assert r.exit_code == 2 and "not with --base-url" in r.output
     r = runner.invoke(app, ["bench", "workflow", "--server-flag=--whole-node-eviction",
                             "--base-url", "http://127.0.0.1:9/v1"], env=env)
     assert r.exit_code == 2 and "--server-flag" in r.output and "--base-url" in r.output

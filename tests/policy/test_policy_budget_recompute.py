@@ -289,3 +289,20 @@ def test_a_configured_link_is_never_probed():
 
     t = LoadTracker(CacheMetrics(), secs_per_page=1.0)
     assert not any(t.should_load(65, 0.09, now=0.0) for _ in range(3 * t.PROBE_AFTER_DECLINES))
+
+
+@pytest.mark.parametrize("align,prompt,cached", [(1, 16, 16), (1, 20, 16), (8, 20, 12)])
+def test_the_reserve_counts_what_admission_takes(align, prompt, cached):
+    """A waiting request's reserve is what ``admit`` then takes: a fully cached prompt still
+    prefills its last page, and with ``reuse_align`` (a deterministic engine's 256-token chunks)
+    a cached prefix is reused only in whole chunks. (The reserve once counted every cached page:
+    a prefetch took the tail the alignment left to recompute, and the request waited for it.)"""
+    m = make_manager("kvflow", page_size=4, device_pages=32, host_pages=64, reuse_align=align)
+    tokens = list(range(100, 100 + prompt))
+    put(m, tokens[:cached])
+    s = m.arrive(tokens, kv_tokens=prompt + 4)
+    reserve = s.reserve_pages()
+    assert s.admit()
+    assert reserve == len(s.pages) - s.own_from + s.decode_reserved
+    with pytest.raises(ValueError):
+        make_manager("kvflow", reuse_align=0)
