@@ -158,16 +158,19 @@ def annotate_cache_cost(results: Sequence[PolicyResult], meta: dict) -> Optional
 
 
 def cost_saving(results: Sequence[PolicyResult]) -> dict[str, dict[str, Optional[float]]]:
-    """The achievable saving on ``cache_cost_s`` (counter-based; see :func:`annotate_cache_cost`)."""
+    """The achievable saving on ``cache_cost_s`` (counter-based; see :func:`annotate_cache_cost`).
+    The reference is the oracle, else the pool oracle: neither evicts, so their cache costs are
+    the same (only compulsory misses)."""
     by = {r.policy: r.workload.get("cache_cost_s") for r in results}
-    if by.get("oracle") is None:
+    ref = next((o for o in ("oracle", "oracle-pool") if by.get(o) is not None), None)
+    if ref is None:
         return {}
     out: dict = {}
     for r in results:
-        if r.policy in ("oracle", "lru") or by.get(r.policy) is None:
+        if r.policy in ("oracle", "oracle-pool", "lru") or by.get(r.policy) is None:
             continue
-        out[r.policy] = {b: (None if by.get(b) is None or by[b] - by["oracle"] <= 0 else
-                             (by[b] - by[r.policy]) / (by[b] - by["oracle"]))
+        out[r.policy] = {b: (None if by.get(b) is None or by[b] - by[ref] <= 0 else
+                             (by[b] - by[r.policy]) / (by[b] - by[ref]))
                          for b in BASELINES if b != r.policy and b in by}
     return out
 

@@ -401,6 +401,10 @@ def test_cache_cost_saving_from_counters():
     assert cs["kvflow"]["lru"] == pytest.approx(4.6 / 4.75) and cs["kvflow"]["hicache"] == pytest.approx(2.1 / 2.25)
     assert report.annotate_cache_cost(rs, {}) is None
     assert "cost saving vs lru" in dict(report.rows(rs, wide=False))
+    # without the oracle, the pool oracle is the reference (neither evicts: the same cost)
+    rs[3] = PolicyResult("oracle-pool", rs[3].workload, rs[3].server)
+    assert report.cost_saving(rs)["kvflow"]["hicache"] == pytest.approx(2.1 / 2.25)
+    assert "oracle-pool" not in report.cost_saving(rs)
 
 
 def test_progress_bars_grow_when_a_run_makes_more_calls_than_estimated():
