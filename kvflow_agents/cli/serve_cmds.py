@@ -43,8 +43,15 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         lazy_decode_pages: bool = typer.Option(
             True, "--lazy-decode-pages/--upfront-decode-pages",
             help="Allocate a request's decode pages as it writes them (the default, as SGLang "
-                 "and vLLM; admission still reserves prompt + max_tokens, and the pages not "
+                 "and vLLM; admission reserves them, see --decode-reserve, and the pages not "
                  "written yet hold cache meanwhile) or all of them at admission."),
+        decode_reserve: float = typer.Option(
+            0.5, min=0.01, max=1.0,
+            help="With lazy decode pages: the fraction of max_tokens' decode pages admission "
+                 "reserves (SGLang's new_token_ratio). Below 1, a request that writes past its "
+                 "reserve into a full pool retracts the newest running request (its KV stays "
+                 "cached; it is re-prefilled and decodes on). 1: reserve all, never retract. "
+                 "--deterministic uses 1."),
         admission: Optional[str] = typer.Option(
             None, help="Order waiting requests are admitted in: fcfs (their arrival) or workflow "
                        "(the oldest workflow's call first). Default: the policy's (kvflow: "
@@ -156,7 +163,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
-                           lazy_decode_pages=lazy_decode_pages,
+                           lazy_decode_pages=lazy_decode_pages, decode_reserve=decode_reserve,
                            admission=admission, lease_s=lease_s,
                            default_max_tokens=max_tokens_default,
                            max_prefill_tokens=max_prefill_tokens, record_path=record,
@@ -181,7 +188,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"host link: {link}; lookahead {lookahead}; max batch {max_batch}; "
                    f"admission {eng.manager.admission.order}; eviction "
                    f"{'partial nodes' if partial_eviction else 'whole nodes'}; decode pages "
-                   f"{'lazy' if lazy_decode_pages else 'upfront'}")
+                   f"{'lazy' if lazy_decode_pages else 'upfront'}"
+                   + (f" (reserve {eng.manager.decode_reserve:g} of max_tokens)" if lazy_decode_pages else ""))
         typer.echo(f"  OpenAI base URL: {url}   (KVFlow: {url[:-3]}/kvflow/v1/cache, /metrics)"
                    + (f"   [API key required; {len(keys)} tenant(s)]" if keys else "")
                    + ("   [deterministic]" if deterministic else ""))

@@ -153,6 +153,7 @@ class Engine:
             reserve_window=2 * cfg.max_batch,  # prefetch never takes what queued work needs
             admission=cfg.admission, partial_eviction=cfg.partial_eviction,
             lazy_decode=cfg.lazy_decode_pages,
+            decode_reserve=1.0 if cfg.deterministic else cfg.decode_reserve,
             reuse_align=cfg.deterministic_chunk if cfg.deterministic else 1)
         status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware
         self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
@@ -428,7 +429,7 @@ class Engine:
                 break
             progress = True
         progress |= self._prefill()
-        if any(r.output_ids for r in sched.running):
+        if any(r.decoding for r in sched.running):
             progress |= self._decode()
         return progress
 
@@ -519,14 +520,16 @@ class Engine:
             self._finish(req, "error", error="not enough device KV memory for this request")
             return True
         self._ensure_device_capacity()
-        req.prefill_at = time.monotonic()
         self.scheduler.admitted(req)
+        req.prefilled = req.session.reused
+        if req.prefill_at is not None:  # re-admitted after a retraction: sampling state goes on
+            return True
+        req.prefill_at = time.monotonic()
         import torch
         req.generator = torch.Generator(device="cpu")
         req.generator.manual_seed(req.params.seed if req.params.seed is not None else random.getrandbits(63))
         stop_ids = () if req.params.ignore_eos else None
         req.detok = self.tokenizer.stream(stop=req.params.stop, stop_token_ids=stop_ids)
-        req.prefilled = req.session.reused
         return True
 
     def _prefill(self) -> bool:
@@ -535,7 +538,7 @@ class Engine:
         budget, did = self.config.max_prefill_tokens, False
         det = self.config.deterministic_chunk if self.config.deterministic else None
         for req in list(self.scheduler.running):
-            n = len(req.prompt_ids)
+            n = len(req.session.tokens)  # the prompt (after a retraction: + outputs so far)
             if req.prefilled >= n:
                 continue
             if budget <= 0:
@@ -555,17 +558,18 @@ class Engine:
         return did
 
     def _prefill_chunk(self, req: Request, k: int) -> None:
-        n = len(req.prompt_ids)
+        tokens = req.session.tokens
         self.pool.wait_loads(req.pages)  # loads into its prefix (or into pages it reuses) landed
         t0 = time.perf_counter()
-        logits = self.model.prefill(self.pool.device_kv, req.prompt_ids[req.prefilled:req.prefilled + k],
+        logits = self.model.prefill(self.pool.device_kv, tokens[req.prefilled:req.prefilled + k],
                                     req.pages, req.prefilled)
         if self.config.recompute_aware:  # the recompute estimate of load-vs-recompute
             self.manager.observe_prefill(k, time.perf_counter() - t0)
         req.prefilled += k
-        if req.prefilled == n:
+        if req.prefilled == len(tokens):
             req.session.commit()  # the prompt joins the tree; the fixed prefix is tagged
-            self._emit(req, *self.sampler.sample(logits, [req])[0])
+            if not req.output_ids:  # (a retracted request's next input is its last output)
+                self._emit(req, *self.sampler.sample(logits, [req])[0])
 
     def _ensure_device_capacity(self) -> None:
         """The oracle's page allocator grows; grow the device tensor to match."""
@@ -582,10 +586,9 @@ class Engine:
 
     def _decode(self) -> bool:
         """One batched decode step; False if none could run (their next pages wait for a load)."""
-        running = [r for r in self.scheduler.running if r.output_ids]  # prefill done
+        running = [r for r in self.scheduler.running if r.decoding]
         if self.manager.lazy_decode:  # each writes one KV slot: its page must be there
-            running = [r for r in running if self._guard(r, "decode page allocation", r.session.grow,
-                                                          len(r.prompt_ids) + len(r.output_ids))]
+            running = self._grow(running)
             self._ensure_device_capacity()
             if not running:
                 return False
@@ -606,6 +609,40 @@ class Engine:
             if pick is not None and r.state is RequestState.RUNNING:
                 self._guard(r, "sampling", self._emit, r, *pick)
         return True
+
+    def _grow(self, running: list) -> list:
+        """Lazy decode: the page of each request's next KV slot. Where growth past an optimistic
+        reserve finds no room, retract running requests, the newest admitted first (vLLM's
+        preemption order), until the others can grow. Returns those that can decode now."""
+        ok = {id(r) for r in running
+              if self._guard(r, "decode page allocation", r.session.grow, r.seq_len + 1)}
+        short = [r for r in running if id(r) not in ok and r.state is RequestState.RUNNING
+                 and r.session.needs_room]
+        while short:
+            victim = next((r for r in reversed(self.scheduler.running)
+                           if r.decoding and not r.session.full_reserve), None)
+            if victim is None:
+                break
+            self._guard(victim, "retraction", self._retract, victim)
+            ok.discard(id(victim))
+            still = []
+            for r in short:
+                if r is victim or r.state is not RequestState.RUNNING:
+                    continue
+                if self._guard(r, "decode page allocation", r.session.grow, r.seq_len + 1):
+                    ok.add(id(r))
+                elif r.state is RequestState.RUNNING and r.session.needs_room:
+                    still.append(r)
+            short = still
+        return [r for r in running if id(r) in ok and r.state is RequestState.RUNNING]
+
+    def _retract(self, req: Request) -> None:
+        """Back to waiting with what it wrote cached (session.retract); re-admitted, it is
+        prefilled from the cache and decodes on from its last output token."""
+        req.session.retract(req.prompt_ids + req.output_ids, req.seq_len)
+        self.scheduler.retracted(req)
+        req.prefilled = 0
+        log.debug("retracted %s after %d tokens (no room past its reserve)", req.rid, len(req.output_ids))
 
     def _decode_logits(self, seqs: list):
         """One decode step for ``seqs`` (each writes only its own KV slot, so re-running a
@@ -671,7 +708,7 @@ class Engine:
         self._requests.pop(req.rid, None)
         s = req.session
         if s is not None:  # the tree keeps what was written (not after an error); pages freed
-            written = req.prefilled + max(0, len(req.output_ids) - 1) if was_running else 0
+            written = (req.seq_len if req.decoding else req.prefilled) if was_running else 0
             if self.config.deterministic:  # decode-computed KV is not what a prefill would write
                 written = min(written, len(req.prompt_ids))
             s.finish(req.prompt_ids + req.output_ids, written, cache=reason != "error")
@@ -680,10 +717,10 @@ class Engine:
         text = req.detok.text if req.detok is not None else ""
         comp = Completion(
             id=req.rid, text=text, token_ids=list(req.output_ids), finish_reason=reason,
-            prompt_tokens=len(req.prompt_ids), cached_tokens=s.reused if s else 0,
+            prompt_tokens=len(req.prompt_ids), cached_tokens=s.prompt_reused if s else 0,
             device_hit_tokens=s.device_hit if was_running else 0,
             host_hit_tokens=s.host_hit if was_running else 0,
-            computed_tokens=len(req.prompt_ids) - s.reused if was_running else 0,
+            computed_tokens=len(req.prompt_ids) - s.prompt_reused if was_running else 0,
             queue_s=(req.prefill_at or now) - req.arrival, load_wait_s=s.load_wait_s if s else 0.0,
             ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival, error=error,
             logprobs=list(req.logprobs) if req.params.logprobs else None)

@@ -54,6 +54,15 @@ class EngineConfig:
     # e.g. the next agent's prefetch while a request with max_tokens 240 writes 60 tokens
     # (bench/RESULTS.md 6.14).
     lazy_decode_pages: bool = True
+    # With lazy pages: the fraction of the decode pages max_tokens allows that admission
+    # reserves (SGLang's new_token_ratio). Replies mostly stop well short of max_tokens (PEER's
+    # executors write ~130 of 240), and a full reserve made the third of three parallel
+    # executors wait 10-15 s at the bench's default pool for room the first two never used.
+    # Growth past the reserve that finds no room retracts the newest running request (vLLM's
+    # preemption by recompute: its KV stays cached, it is re-prefilled from the cache and
+    # decodes on). 1.0: never retract. Deterministic mode uses 1.0 (a re-prefill is not
+    # bit-identical to decode-written KV).
+    decode_reserve: float = 0.5
     max_inflight_loads: int = 4
     lease_s: float = 60.0
     max_prefill_tokens: int = 1024        # prompt tokens prefilled per scheduler step (chunked)
@@ -86,6 +95,9 @@ class EngineConfig:
             raise ValueError("host_tokens must be >= 0")
         if self.host_link_gbps is not None and not self.host_link_gbps > 0:
             raise ValueError("host_link_gbps must be > 0")
+        r = self.decode_reserve
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
+            raise ValueError(f"decode_reserve must be in (0, 1], got {r!r}")
         if self.max_batch < 1 or self.max_inflight_loads < 1:
             raise ValueError("max_batch and max_inflight_loads must be >= 1")
         if self.torch_threads is not None and self.torch_threads < 1:

@@ -8,6 +8,7 @@ Request life cycle (``Request.state``)::
     WAITING ──(first poll: matched, pinned, load started if host-only)──> WAITING/LOADING
     LOADING ──(load ready)──> WAITING ──(admitted: pages allocated, prefill)──> RUNNING
     RUNNING ──(EOS / stop string / max_tokens / abort)──> FINISHED
+    RUNNING ──(retracted: no room to grow past an optimistic reserve)──> WAITING
 
 Admission rule (status-aware continuous batching):
 - candidates are taken in admission order (their session's ``admission_key``: arrival order for
@@ -165,7 +166,8 @@ class Request:
     state: RequestState = RequestState.WAITING
     # cache bookkeeping (engine thread only)
     session: Any = None                # the policy core's RequestSession (manager.arrive)
-    prefilled: int = 0                 # prompt tokens whose KV is written (chunked prefill)
+    prefilled: int = 0                 # tokens of session.tokens whose KV is written (chunked
+                                       # prefill; after a retraction they include outputs)
     # decoding
     output_ids: list[int] = field(default_factory=list)
     detok: Any = None
@@ -184,8 +186,13 @@ class Request:
 
     @property
     def seq_len(self) -> int:
-        """Tokens whose KV is written (prompt + all outputs fed back so far)."""
+        """Tokens whose KV is written once decoding (prompt + all outputs fed back so far)."""
         return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
+
+    @property
+    def decoding(self) -> bool:
+        """Prefill done (of the prompt, or after a retraction of prompt + outputs so far)."""
+        return bool(self.output_ids) and self.session is not None and self.prefilled >= len(self.session.tokens)
 
 
 def _admission_key(req: Request) -> tuple:
@@ -248,3 +255,9 @@ class Scheduler:
         self.waiting.remove(req)
         req.state = RequestState.RUNNING
         self.running.append(req)
+
+    def retracted(self, req: Request) -> None:
+        """Running -> waiting, back at its place in admission order (its key is kept)."""
+        self.running.remove(req)
+        req.state = RequestState.WAITING
+        bisect.insort(self.waiting, req, key=_admission_key)

@@ -83,7 +83,7 @@ class KVCacheManager:
                  recompute_cost: Callable[[int, int], float] | None = None,
                  min_partial_prefetch_pages: int = 4, admission: str | None = None,
                  admission_max_age_s: float = 600.0, lazy_decode: bool = False,
-                 reuse_align: int = 1) -> None:
+                 decode_reserve: float = 1.0, reuse_align: int = 1) -> None:
         self.policy = get_policy(policy)
         # a request reuses a cached prefix only in whole multiples of this many tokens (an
         # engine's batch-invariant mode: prefill chunks at fixed positions); sessions use it
@@ -93,6 +93,11 @@ class KVCacheManager:
         self.reuse_align = reuse_align
         # sessions allocate decode pages as they reach them (session.grow), not at admission
         self.lazy_decode = lazy_decode
+        # lazy decode: the fraction of a request's decode pages admission reserves (1: all of
+        # max_tokens; less: optimistic, growth past it may retract a session; session.py)
+        if not 0 < decode_reserve <= 1:
+            raise ValueError(f"decode_reserve must be in (0, 1], got {decode_reserve!r}")
+        self.decode_reserve = decode_reserve if lazy_decode else 1.0
         # the order engines admit waiting sessions in (``session.admission_key``); None: the policy's
         self.admission = AdmissionOrder(admission or self.policy.admission, max_age_s=admission_max_age_s)
         self.page_size = page_size
@@ -191,6 +196,13 @@ class KVCacheManager:
             self.prefetcher.unhold(s.tag)
         self._running[id(s)] = s
 
+    def _retracted(self, s: RequestSession) -> None:
+        self._running.pop(id(s), None)
+        self._waiting[id(s)] = s
+        if s.tag is not None:
+            self.prefetcher.hold(s.tag)
+        self.metrics.retractions += 1
+
     def _finished(self, s: RequestSession) -> None:
         if self._waiting.pop(id(s), None) is not None and s.tag is not None:
             self.prefetcher.unhold(s.tag)
@@ -209,7 +221,7 @@ class KVCacheManager:
         plus (lazy decode) one per running session still growing: its next page, which a
         prefetch in flight would otherwise make it wait for (session.grow)."""
         waiting, window = self._waiting.values(), self.reserve_window
-        growing = sum(1 for s in self._running.values() if s.decode_reserved) if self.lazy_decode else 0
+        growing = sum(1 for s in self._running.values() if s.growing) if self.lazy_decode else 0
         if window is not None and len(waiting) > window:
             order = (heapq.nsmallest(window, waiting, key=lambda s: s.admission_key)
                      if self.admission.by_workflow else itertools.islice(waiting, window))

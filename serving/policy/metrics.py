@@ -42,6 +42,7 @@ class CacheMetrics:
     load_hidden_s: float = 0.0
     load_exposed_s: float = 0.0
     decode_page_waits: int = 0        # lazy decode: a growth waited a step for a load to land
+    retractions: int = 0              # optimistic reserve: running sessions sent back to waiting
 
     @property
     def device_hit_rate(self) -> float:

@@ -11,6 +11,11 @@ walks tree nodes; it holds a :class:`RequestSession` per request::
         ...decode (lazy: s.grow(n) before a step writes token n - 1)...
     s.finish(seq, written)    # what was written joins the tree; own pages freed; unpinned
 
+A running session whose growth finds no room (``grow`` False with ``needs_room``) is retracted
+by its engine: ``s.retract(seq, written)`` puts what it wrote in the tree, frees its own pages and
+returns it to waiting with ``tokens = seq[:written]`` (the engine prefills them again, mostly
+from the cache, and decodes on).
+
 ``poll`` answers a :class:`Poll` whose ``state`` is a :class:`Readiness`:
 
 - READY: the cached prefix is readable (or nothing is cached): admit now;
@@ -34,9 +39,20 @@ allocates the prompt's pages and *reserves* the rest of ``kv_tokens`` (``decode_
 hold cache (a prefetch for the next agent, say) instead of sitting empty: a request with
 ``max_tokens=240`` that writes 60 tokens leaves 11 of its 15 decode pages to the cache.
 Invariant (S1): an admission needs ``free + evictable - reserved of all running sessions >=
-its pages + its reserve`` (``manager.room_for``), so a running request's growth can always be
-met by evicting unlocked cache, once waiting sessions' pins are dropped and loads in flight
-have landed (``grow`` does the first and answers False for the second: decode it next step).
+its pages + its reserve`` (``manager.room_for``), so a running request's growth *within its
+reserve* can always be met by evicting unlocked cache, once waiting sessions' pins are dropped
+and loads in flight have landed (``grow`` does the first and answers False for the second:
+decode it next step).
+
+Optimistic reserve (``KVCacheManager(decode_reserve=r)``, r < 1; SGLang's ``new_token_ratio``):
+admission reserves only ``ceil(r x`` the decode pages ``max_tokens`` allows ``)``, since most
+replies stop well before ``max_tokens`` (PEER's executors write ~130 of 240): at r = 1 the third
+of three parallel executors waited 10-15 s for a reserve the first two never used. Growth past
+the reserve takes pages only where ``room_for`` leaves every other running reserve coverable
+(so S1 still holds for reserves); where it cannot, ``grow`` answers False with ``needs_room`` and
+the engine retracts a running optimistic session (vLLM's preemption by recompute: the newest
+first). A retracted session is re-admitted with its whole remaining reserve
+(``full_reserve``), so it is never retracted twice and retraction cannot livelock.
 
 The first look records hit counters (``match(record=True)``); the session's ``device_hit`` /
 ``host_hit`` say where its reused tokens were when it arrived, ``loads_read`` the loads this
@@ -46,6 +62,7 @@ request was the first to read, ``load_wait_s`` how long it waited for loads.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -79,7 +96,9 @@ class CacheFullError(RuntimeError):
 
 
 class RequestSession:
-    """See the module docstring. Created by :meth:`KVCacheManager.arrive`."""
+    """See the module docstring. Created by :meth:`KVCacheManager.arrive`.
+
+    States: waiting -> admitted -> finished, and admitted -> waiting (``retract``)."""
 
     def __init__(self, manager: "KVCacheManager", tokens: Sequence[int], hints: Any = None, *,
                  fixed_len: int | None = None, kv_tokens: int | None = None) -> None:
@@ -88,7 +107,7 @@ class RequestSession:
         self.hints = hints
         self.fixed_len = fixed_len
         self.kv_tokens = max(len(self.tokens), kv_tokens or 0)
-        self.state = "waiting"           # waiting -> admitted -> finished
+        self.state = "waiting"           # waiting -> admitted -> finished (admitted -> waiting: retract)
         self.tag = None                  # (workflow key, agent) of its hints
         self.admission_key: tuple = ()   # engines try the smallest first (manager.admission)
         self.handle = None               # lock handle (the deepest matched node)
@@ -97,7 +116,11 @@ class RequestSession:
         self.pages: list[int] = []
         self.decode_reserved = 0         # lazy decode: admitted pages not allocated yet (grow)
         self.own_from = 0                # pages[own_from:] are the request's, not the tree's
-        self.reused = 0                  # prompt tokens taken from the cache at admission
+        self.reused = 0                  # tokens taken from the cache at (the last) admission
+        self.prompt_reused = 0           # ... at the first admission: what the client's prompt got
+        self.full_reserve = False        # reserve all of kv_tokens (after a retraction)
+        self.needs_room = False          # the last grow found no room past the reserve
+        self.retractions = 0
         self.ready_at: float | None = None  # an inline load lands then (admit(load_inline=True))
         self.loads_read: list = []
         self.load_wait_s = 0.0
@@ -177,7 +200,7 @@ class RequestSession:
         store = self._mgr.store
         p = store.peek(self.tokens)
         have = p.device_len if p.needs_load else p.cached_len
-        return max(0, self._total_pages() - self._reusable(have) // store.page_size)
+        return max(0, self._upfront_pages() + self._decode_reserve() - self._reusable(have) // store.page_size)
 
     def _reusable(self, cached: int) -> int:
         """Tokens of a ``cached`` prefix admission reuses (the rest is prefilled): whole pages,
@@ -197,6 +220,20 @@ class RequestSession:
         if not self._mgr.lazy_decode:
             return self._total_pages()
         return min(self._total_pages(), max(1, -(-len(self.tokens) // self._mgr.store.page_size)))
+
+    def _decode_reserve(self) -> int:
+        """Decode pages ``admit`` reserves: all the rest of ``kv_tokens``, or (an optimistic
+        ``decode_reserve`` < 1, unless retracted before) that fraction of them, rounded up."""
+        later = self._total_pages() - self._upfront_pages()
+        r = self._mgr.decode_reserve
+        if later <= 0 or r >= 1 or self.full_reserve:
+            return later
+        return min(later, math.ceil(later * r))
+
+    @property
+    def growing(self) -> bool:
+        """Admitted and not yet holding every page ``kv_tokens`` may take (lazy decode)."""
+        return self.state == "admitted" and len(self.pages) < self._total_pages()
 
     # ------------------------------------------------------------------ admission
     def admit(self, *, load_inline: bool = False, recompute_s: float | None = None) -> bool:
@@ -229,7 +266,7 @@ class RequestSession:
         reuse = self._reusable(usable)
         prefix = list(pages[:reuse // ps])
         need = self._upfront_pages() - len(prefix)
-        later = self._total_pages() - self._upfront_pages()
+        later = self._decode_reserve()
         new = store.allocate(need) if mgr.room_for(need + later) else None
         if new is None and not mgr.admitted_sessions and not store.loads.in_flight:
             mgr.unpin_waiting(keep=self)  # deadlock breaker: pinned waiters hold the room
@@ -244,8 +281,10 @@ class RequestSession:
             self._wait_since = None
         self.pages, self.own_from, self.reused = prefix + new, len(prefix), reuse
         self.decode_reserved = later
-        self.host_hit = min(self.host_hit, max(0, reuse - self.device_hit))
-        self.device_hit = reuse - self.host_hit
+        if not self.retractions:  # the hit split describes the client's prompt, counted once
+            self.prompt_reused = reuse
+            self.host_hit = min(self.host_hit, max(0, reuse - self.device_hit))
+            self.device_hit = reuse - self.host_hit
         for ld in store.path_loads(self.tokens[:reuse]):
             if not ld.read:
                 ld.read = True
@@ -259,16 +298,28 @@ class RequestSession:
         """Lazy decode: make ``pages`` cover the first ``n_tokens`` tokens (call it before a
         decode step writes token ``n_tokens - 1``), out of the admission's reserve; evicting
         unlocked cache takes only the tail pages needed. False: not now (a load in flight holds
-        the room; decode this request next step). Raises :class:`CacheFullError` if nothing
-        can free the room (S1 broken: a bug) and ``ValueError`` past ``kv_tokens``."""
+        the room; decode this request next step), or (``needs_room``) growth past an optimistic
+        reserve finds no room that every other running reserve can spare: the engine retracts
+        a session. Raises :class:`CacheFullError` if nothing can free the room within the
+        reserve (S1 broken: a bug) and ``ValueError`` past ``kv_tokens``."""
         if self.state != "admitted":
             raise RuntimeError(f"grow: session is {self.state}")
-        store = self._mgr.store
+        store, mgr = self._mgr.store, self._mgr
         k = -(-n_tokens // store.page_size) - len(self.pages)
         if k <= 0:
             return True
-        if k > self.decode_reserved:
+        if len(self.pages) + k > self._total_pages():
             raise ValueError(f"grow: {n_tokens} tokens are more than the {self.kv_tokens} admitted")
+        extra = k - min(k, self.decode_reserved)  # past the reserve: only what others can spare
+        if extra and not mgr.room_for(extra):
+            mgr.unpin_waiting()
+            if not mgr.room_for(extra):
+                if store.loads.in_flight:  # a landing load becomes evictable cache
+                    mgr.metrics.decode_page_waits += 1
+                    return False
+                self.needs_room = True
+                return False
+        self.needs_room = False
         new = store.allocate(k, partial=True)
         if new is None:
             self._mgr.unpin_waiting()  # waiting sessions' pins give way to running requests
@@ -279,8 +330,34 @@ class RequestSession:
                 return False
             raise CacheFullError(f"grow: {k} device pages reserved at admission cannot be freed")
         self.pages.extend(new)
-        self.decode_reserved -= k
+        self.decode_reserved -= k - extra
         return True
+
+    def retract(self, seq: Sequence[int], written: int) -> None:
+        """admitted -> waiting, to free room for the others (vLLM's preemption by recompute):
+        the first ``written`` tokens of ``seq`` join the tree (cache, evictable now that
+        nothing pins them), its own pages are freed, and it waits again for ``seq[:written]``
+        with its whole remaining reserve (``full_reserve``). Hit counters are not counted
+        again; its place in admission order is kept."""
+        if self.state != "admitted":
+            raise RuntimeError(f"retract: session is {self.state}")
+        store = self._mgr.store
+        if written < len(self.tokens):
+            raise ValueError(f"retract: {written} tokens written, fewer than its {len(self.tokens)}")
+        self._insert(written, seq)
+        own = self.pages[self.own_from:]
+        if own:
+            store.free(own)
+        if self.handle is not None:
+            store.unlock(self.handle)
+            self.handle = None
+        self.tokens = list(seq[:written])
+        self.pages, self.own_from, self.decode_reserved = [], 0, 0
+        self.ready_at, self.recompute_host, self.needs_room = None, False, False
+        self.full_reserve = True
+        self.retractions += 1
+        self.state = "waiting"
+        self._mgr._retracted(self)
 
     def commit(self, n_tokens: int | None = None, seq: Sequence[int] | None = None) -> None:
         """After prefill: the first ``n_tokens`` (default: the prompt) of ``seq`` join the tree

@@ -169,3 +169,123 @@ def test_random_traffic_never_leaves_a_growth_without_pages():
                 nxt[wf] = (nxt[wf] + 1) % n_agents
         m.check_invariants(priorities=False)
     assert grown > 300 and m.metrics.prefetch_issued > 10
+
+
+# -- optimistic reserve (decode_reserve < 1) and retraction ----------------------------------
+
+def test_an_optimistic_reserve_admits_what_a_full_one_keeps_waiting():
+    """16 pages. A (4 prompt + 8 decode pages) runs; B (4 + 4) fits beside it only if A's
+    reserve is half its decode pages, as SGLang's new_token_ratio reserves."""
+    full = make_manager("lru", page_size=1, device_pages=16, host_pages=0, lazy_decode=True)
+    half = make_manager("lru", page_size=1, device_pages=16, host_pages=0, lazy_decode=True,
+                        decode_reserve=0.5)
+    for m, fits in ((full, False), (half, True)):
+        a = m.arrive([1] * 4, kv_tokens=12)
+        assert a.poll().ready and a.admit()
+        assert a.decode_reserved == (8 if m is full else 4)
+        b = m.arrive([2] * 4, kv_tokens=8)
+        b.poll()
+        assert b.admit() is fits
+        m.check_invariants()
+
+
+def _grow_until_short(s, n):
+    while s.grow(n + 1):
+        n += 1
+    return n
+
+
+def test_growth_past_the_reserve_takes_only_what_other_reserves_spare_then_retracts():
+    m = make_manager("lru", page_size=1, device_pages=16, host_pages=0, lazy_decode=True,
+                     decode_reserve=0.5)
+    a = m.arrive([1] * 4, kv_tokens=12)                 # 4 pages + 4 reserved
+    assert a.poll().ready and a.admit()
+    a.commit()
+    b = m.arrive([2] * 4, kv_tokens=8)                  # 4 pages + 2 reserved
+    assert b.poll().ready and b.admit()
+    b.commit()
+    requests = m.metrics.requests
+    # A writes past its reserve while 8 pages are free: it may take 6, never B's 2 reserved
+    n = _grow_until_short(a, 4)
+    assert n == 14 - 4 and len(a.pages) == 10 and a.needs_room and b.decode_reserved == 2
+    m.check_invariants()
+    assert b.grow(6)                                     # B's reserve is there to take
+    assert not b.grow(7) and b.needs_room                # past it: nothing left to spare
+    # the engine retracts one of them (the newest optimistic; here A, to free B's room)
+    a.retract(a.tokens + [9] * 6, 10)
+    assert a.state == "waiting" and a.full_reserve and not a.pages and a.tokens == [1] * 4 + [9] * 6
+    assert m.metrics.retractions == 1 and m.decode_reserved == 0
+    assert m.peek(a.tokens).device_len == 10             # what it wrote stays cached, unpinned
+    m.check_invariants()
+    assert b.grow(8) and not b.needs_room                # by evicting A's cached tail
+    b.finish(b.tokens + [3] * 4, 7)
+    # re-admitted: no hit counted twice; it reuses its cached tokens and reserves all the rest
+    cached = m.peek(a.tokens).device_len
+    assert 0 < cached < 10
+    assert a.poll().ready and a.admit()
+    assert m.metrics.requests == requests and a.prompt_reused == 0 and a.device_hit == 0
+    assert a.reused == cached and len(a.pages) == 10 and a.decode_reserved == 2
+    m.check_invariants()
+    assert a.grow(12) and not a.needs_room
+    a.finish(a.tokens + [9, 9], 11)
+    m.check_invariants()
+
+
+def test_retract_needs_what_was_admitted_written():
+    m = make_manager("lru", page_size=1, device_pages=16, host_pages=0, lazy_decode=True,
+                     decode_reserve=0.5)
+    a = m.arrive([1] * 4, kv_tokens=12)
+    assert a.poll().ready and a.admit()
+    with pytest.raises(ValueError):
+        a.retract([1] * 4, 3)                              # not even its prompt
+    with pytest.raises(ValueError):
+        make_manager("lru", device_pages=4, lazy_decode=True, decode_reserve=0)
+
+
+def test_random_traffic_with_an_optimistic_reserve_retracts_and_finishes_everything():
+    """The engine's rule on random traffic: growth past a reserve that finds no room retracts
+    the newest running optimistic session; a retracted one comes back with its whole reserve.
+    Every request finishes with all its tokens, retractions happen, invariants hold."""
+    rng = random.Random(11)
+    m = make_manager("kvflow", page_size=2, device_pages=40, host_pages=200, lazy_decode=True,
+                     decode_reserve=0.25)
+    waiting, running, done, retracted = [], [], 0, 0
+    for step in range(3000):
+        if len(waiting) + len(running) < 6 and rng.random() < 0.3 and step < 2000:
+            prompt = [100 + step % 3] * 6 + [rng.randrange(1000, 2000) for _ in range(4)]
+            out = rng.randint(4, 20)
+            s = m.arrive(prompt, hint(f"a{step % 3}", {f"a{step % 3}": 0}, wf=f"w{step}"),
+                         kv_tokens=len(prompt) + out)
+            waiting.append([s, len(prompt) + out - 1])
+        m.tick()
+        for item in sorted(waiting, key=lambda it: it[0].admission_key):
+            s, _ = item
+            if not s.poll().ready:
+                continue
+            if not s.admit():
+                break
+            s.commit()
+            waiting.remove(item)
+            running.append([s, item[1], len(s.tokens)])
+        for r in list(running):
+            s, end, n = r
+            if s.state != "admitted":
+                continue
+            if n >= end:
+                s.finish(s.tokens + [1] * (end - len(s.tokens)), n)
+                running.remove(r)
+                done += 1
+            elif s.grow(n + 1):
+                r[2] = n + 1
+            else:
+                assert s.needs_room
+                victim = next(v for v in reversed(running)
+                              if v[0].state == "admitted" and not v[0].full_reserve)
+                vs, vend, vn = victim
+                vs.retract(vs.tokens + [1] * (vn - len(vs.tokens)), vn)
+                running.remove(victim)
+                waiting.append([vs, vend])
+                retracted += 1
+        m.check_invariants(priorities=False)
+    assert not waiting and not running and done > 100 and retracted > 5
+    assert m.metrics.retractions == retracted

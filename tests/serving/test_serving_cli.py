@@ -45,3 +45,24 @@ def test_serve_eviction_flags_reach_the_store(monkeypatch, flags, partial, lazy)
     assert seen["mgr"].store.partial_eviction is partial and seen["mgr"].lazy_decode is lazy
     assert ("eviction partial nodes" if partial else "eviction whole nodes") in r.output
     assert ("decode pages lazy" if lazy else "decode pages upfront") in r.output
+
+
+@pytest.mark.parametrize("flags, reserve", [([], 0.5), (["--decode-reserve", "0.25"], 0.25),
+                                            (["--decode-reserve", "0.25", "--deterministic"], 1.0)])
+def test_serve_decode_reserve_reaches_the_manager(monkeypatch, flags, reserve):
+    """The optimistic decode reserve; deterministic mode reserves all (a retraction's
+    re-prefill is not bit-identical to decode-written KV)."""
+    import uvicorn
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("mgr", app.state.engine.manager))
+    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags,
+                           env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert seen["mgr"].decode_reserve == reserve and f"reserve {reserve:g} of max_tokens" in r.output
+
+
+def test_serve_rejects_a_decode_reserve_outside_0_1():
+    for bad in ("0", "1.5", "x"):
+        r = CliRunner().invoke(app, ["serve", "--decode-reserve", bad], env={"COLUMNS": "200"})
+        assert r.exit_code == 2 and "--decode-reserve" in r.output
