@@ -314,6 +314,7 @@ def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, 
             " / ".join(_fmt((r.server or {}).get(f"{k}_rate"), "%") for k in ("device", "host", "loading", "miss"))
             if r.server else "-" for r in results]),
         ("load hidden fraction", s("load_hidden_fraction", "%")),
+        ("retractions (no room to decode)", s("retractions", "int")),
         ("prompt / output tokens", [f"{r.workload.get('prompt_tokens')} / {r.workload.get('completion_tokens')}"
                                     for r in results]),
         ("speedup vs lru / hicache (mean)", [

@@ -54,8 +54,9 @@ request alone, not on batching or cache state.
 One scheduler step: first poll of new arrivals (hit, pin, start on-demand loads of host-only
 prefixes) → ``manager.tick()`` (finish due loads, start prefetches from the planner's plan) →
 admit ready requests in the policy's admission order (kvflow: the oldest workflow's call first,
-``serving/policy/admission.py``; status-aware: loading ones are skipped, see ``scheduler.py``; pages for
-prompt + max_tokens are reserved at admission, the decode ones allocated as they are written) →
+``serving/policy/admission.py``; status-aware: loading ones are skipped, see ``scheduler.py``; the
+prompt's pages are allocated and ``decode_reserve`` of max_tokens' reserved at admission, the
+decode ones allocated as they are written) →
 chunked prefill (``max_prefill_tokens`` per step, reusing each request's cached device prefix)
 → one batched decode over all running requests whose prefill is done.
 
