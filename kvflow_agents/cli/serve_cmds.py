@@ -46,7 +46,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                  "and vLLM; admission reserves them, see --decode-reserve, and the pages not "
                  "written yet hold cache meanwhile) or all of them at admission."),
         decode_reserve: float = typer.Option(
-            0.5, min=0.01, max=1.0,
+            0.25, min=0.01, max=1.0,
             help="With lazy decode pages: the fraction of max_tokens' decode pages admission "
                  "reserves (SGLang's new_token_ratio). Below 1, a request that writes past its "
                  "reserve into a full pool retracts the newest running request (its KV stays "

@@ -62,7 +62,7 @@ class EngineConfig:
     # preemption by recompute: its KV stays cached, it is re-prefilled from the cache and
     # decodes on). 1.0: never retract. Deterministic mode uses 1.0 (a re-prefill is not
     # bit-identical to decode-written KV).
-    decode_reserve: float = 0.5
+    decode_reserve: float = 0.25
     max_inflight_loads: int = 4
     lease_s: float = 60.0
     max_prefill_tokens: int = 1024        # prompt tokens prefilled per scheduler step (chunked)

@@ -51,9 +51,9 @@ def _run(tiny16, lazy: bool):
 def test_lazy_decode_keeps_the_next_agents_prefix_beside_a_long_running_request(tiny16):
     fixed, lazy_mid, lazy_evicted, lazy_done, lazy_reserved = _run(tiny16, lazy=True)
     _, up_mid, up_evicted, up_done, up_reserved = _run(tiny16, lazy=False)
-    # the cache report shows what the running request may still take: half of its ~37 decode
-    # pages (the default decode_reserve), less what it has written
-    assert up_reserved == 0 and 16 * 15 <= lazy_reserved <= 16 * 19
+    # the cache report shows what the running request may still take: a quarter of its ~38
+    # decode pages (the default decode_reserve), less what it has written
+    assert up_reserved == 0 and 16 * 7 <= lazy_reserved <= 16 * 10
     assert fixed >= 384
     assert lazy_done.finish_reason == up_done.finish_reason == "length"
     assert lazy_done.token_ids == up_done.token_ids and len(lazy_done.token_ids) == 600

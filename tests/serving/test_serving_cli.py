@@ -47,8 +47,8 @@ def test_serve_eviction_flags_reach_the_store(monkeypatch, flags, partial, lazy)
     assert ("decode pages lazy" if lazy else "decode pages upfront") in r.output
 
 
-@pytest.mark.parametrize("flags, reserve", [([], 0.5), (["--decode-reserve", "0.25"], 0.25),
-                                            (["--decode-reserve", "0.25", "--deterministic"], 1.0)])
+@pytest.mark.parametrize("flags, reserve", [([], 0.25), (["--decode-reserve", "0.5"], 0.5),
+                                            (["--decode-reserve", "0.5", "--deterministic"], 1.0)])
 def test_serve_decode_reserve_reaches_the_manager(monkeypatch, flags, reserve):
     """The optimistic decode reserve; deterministic mode reserves all (a retraction's
     re-prefill is not bit-identical to decode-written KV)."""
