@@ -51,7 +51,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                  "reserves (SGLang's new_token_ratio). Below 1, a request that writes past its "
                  "reserve into a full pool retracts the newest running request (its KV stays "
                  "cached; it is re-prefilled and decodes on). 1: reserve all, never retract. "
-                 "--deterministic uses 1."),
+                 "With --deterministic a retracted request replays its outputs (same reply)."),
         admission: Optional[str] = typer.Option(
             None, help="Order waiting requests are admitted in: fcfs (their arrival) or workflow "
                        "(the oldest workflow's call first). Default: the policy's (kvflow: "

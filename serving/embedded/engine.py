@@ -154,7 +154,7 @@ class Engine:
             reserve_window=2 * cfg.max_batch,  # prefetch never takes what queued work needs
             admission=cfg.admission, partial_eviction=cfg.partial_eviction,
             lazy_decode=cfg.lazy_decode_pages,
-            decode_reserve=1.0 if cfg.deterministic else cfg.decode_reserve,
+            decode_reserve=cfg.decode_reserve,
             reuse_align=cfg.deterministic_chunk if cfg.deterministic else 1)
         status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware
         self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
@@ -522,7 +522,7 @@ class Engine:
             return True
         self._ensure_device_capacity()
         self.scheduler.admitted(req)
-        req.prefilled = req.session.reused
+        req.prefilled = req.kv_len = req.session.reused
         if req.prefill_at is not None:  # re-admitted after a retraction: sampling state goes on
             return True
         req.prefill_at = time.monotonic()
@@ -567,6 +567,7 @@ class Engine:
         if self.config.recompute_aware:  # the recompute estimate of load-vs-recompute
             self.manager.observe_prefill(k, time.perf_counter() - t0)
         req.prefilled += k
+        req.kv_len = req.prefilled  # session.tokens is a prefix of prompt + outputs
         if req.prefilled == len(tokens):
             req.session.commit()  # the prompt joins the tree; the fixed prefix is tagged
             if not req.output_ids:  # (a retracted request's next input is its last output)
@@ -593,22 +594,36 @@ class Engine:
             self._ensure_device_capacity()
             if not running:
                 return False
-        n0 = [len(r.prompt_ids) + len(r.output_ids) - 1 for r in running]
-        seqs = [(r.output_ids[-1], r.pages, pos) for r, pos in zip(running, n0)]
+        # each writes the KV of its token at kv_len: its last output (and samples the next), or
+        # (replaying after a retraction to its prompt) an earlier output, its logits unused
+        n0 = [r.kv_len for r in running]
+        seqs = [(r.output_ids[pos - len(r.prompt_ids)], r.pages, pos) for r, pos in zip(running, n0)]
+        sampled = [i for i, r in enumerate(running) if r.kv_len == r.seq_len]
         # CUDA: the stream waits for every load (free); CPU: only for pages this step writes
         # (each sequence's next slot; what it reads was waited for at its prefill)
         if self.pool.loading:
             self.pool.wait_loads(None if self._cuda else [r.pages[p // self.pool.page_size]
                                                           for r, p in zip(running, n0)])
         self.counters["decode_steps"] += 1
+        picks: dict = {}
         try:
-            picks = self.sampler.sample(self._decode_logits(seqs), running)
+            logits = self._decode_logits(seqs)
+            if len(sampled) < len(running):
+                logits = logits[sampled]
+            picks = dict(zip(sampled, self.sampler.sample(logits, [running[i] for i in sampled])))
         except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
             log.exception("batched decode failed; retrying its %d sequences one by one", len(seqs))
-            picks = [self._guard(r, "decode", self._decode_one, r, sq) for r, sq in zip(running, seqs)]
-        for r, pick in zip(running, picks):
-            if pick is not None and r.state is RequestState.RUNNING:
-                self._guard(r, "sampling", self._emit, r, *pick)
+            for i, (r, sq) in enumerate(zip(running, seqs)):
+                if i in sampled:
+                    picks[i] = self._guard(r, "decode", self._decode_one, r, sq)
+                else:
+                    self._guard(r, "decode", self._decode_logits, [sq])
+        for i, r in enumerate(running):
+            if r.state is not RequestState.RUNNING:
+                continue  # failed in the retry
+            r.kv_len += 1
+            if picks.get(i) is not None:
+                self._guard(r, "sampling", self._emit, r, *picks[i])
         return True
 
     def _grow(self, running: list) -> list:
@@ -616,7 +631,7 @@ class Engine:
         reserve finds no room, retract running requests, the newest admitted first (vLLM's
         preemption order), until the others can grow. Returns those that can decode now."""
         ok = {id(r) for r in running
-              if self._guard(r, "decode page allocation", r.session.grow, r.seq_len + 1)}
+              if self._guard(r, "decode page allocation", r.session.grow, r.kv_len + 1)}
         short = [r for r in running if id(r) not in ok and r.state is RequestState.RUNNING
                  and r.session.needs_room]
         while short:
@@ -630,7 +645,7 @@ class Engine:
             for r in short:
                 if r is victim or r.state is not RequestState.RUNNING:
                     continue
-                if self._guard(r, "decode page allocation", r.session.grow, r.seq_len + 1):
+                if self._guard(r, "decode page allocation", r.session.grow, r.kv_len + 1):
                     ok.add(id(r))
                 elif r.state is RequestState.RUNNING and r.session.needs_room:
                     still.append(r)
@@ -639,10 +654,14 @@ class Engine:
 
     def _retract(self, req: Request) -> None:
         """Back to waiting with what it wrote cached (session.retract); re-admitted, it is
-        prefilled from the cache and decodes on from its last output token."""
-        req.session.retract(req.prompt_ids + req.output_ids, req.seq_len)
+        prefilled from the cache and decodes on from its last output token. Deterministic mode
+        caches only its prompt (decode-written KV is not what a prefill would write) and, once
+        re-admitted, replays its outputs through decode steps (batch-invariant: the same KV
+        bits), so its reply is the one it would have written without the retraction."""
+        written = len(req.prompt_ids) if self.config.deterministic else req.kv_len
+        req.session.retract(req.prompt_ids + req.output_ids, written)
         self.scheduler.retracted(req)
-        req.prefilled = 0
+        req.prefilled = req.kv_len = 0
         log.debug("retracted %s after %d tokens (no room past its reserve)", req.rid, len(req.output_ids))
 
     def _decode_logits(self, seqs: list):
@@ -709,7 +728,7 @@ class Engine:
         self._requests.pop(req.rid, None)
         s = req.session
         if s is not None:  # the tree keeps what was written (not after an error); pages freed
-            written = (req.seq_len if req.decoding else req.prefilled) if was_running else 0
+            written = req.kv_len if was_running else 0
             if self.config.deterministic:  # decode-computed KV is not what a prefill would write
                 written = min(written, len(req.prompt_ids))
             s.finish(req.prompt_ids + req.output_ids, written, cache=reason != "error")

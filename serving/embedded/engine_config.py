@@ -60,8 +60,9 @@ class EngineConfig:
     # executors wait 10-15 s at the bench's default pool for room the first two never used.
     # Growth past the reserve that finds no room retracts the newest running request (vLLM's
     # preemption by recompute: its KV stays cached, it is re-prefilled from the cache and
-    # decodes on). 1.0: never retract. Deterministic mode uses 1.0 (a re-prefill is not
-    # bit-identical to decode-written KV).
+    # decodes on). 1.0: never retract. Deterministic mode caches only the prompt of a
+    # retracted request and replays its outputs through (batch-invariant) decode steps, since
+    # a re-prefill is not bit-identical to decode-written KV.
     decode_reserve: float = 0.25
     max_inflight_loads: int = 4
     lease_s: float = 60.0

@@ -168,6 +168,7 @@ class Request:
     session: Any = None                # the policy core's RequestSession (manager.arrive)
     prefilled: int = 0                 # tokens of session.tokens whose KV is written (chunked
                                        # prefill; after a retraction they include outputs)
+    kv_len: int = 0                    # tokens of prompt + outputs whose KV is written
     # decoding
     output_ids: list[int] = field(default_factory=list)
     detok: Any = None
@@ -186,7 +187,8 @@ class Request:
 
     @property
     def seq_len(self) -> int:
-        """Tokens whose KV is written once decoding (prompt + all outputs fed back so far)."""
+        """Tokens whose KV a decoding request has written when caught up (prompt + all outputs
+        fed back so far); ``kv_len`` is less while it replays outputs after a retraction."""
         return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
 
     @property

@@ -64,11 +64,11 @@ def test_lazy_decode_keeps_the_next_agents_prefix_beside_a_long_running_request(
     assert 0 < lazy_evicted <= up_evicted
 
 
-def _two_long_replies(tiny16, reserve: float, prompts: list, solo: bool = False):
+def _two_long_replies(tiny16, reserve: float, prompts: list, solo: bool = False, **cfg):
     """32 device pages; two 100-token prompts that each write 200 tokens (19 pages each, 38 in
     all). Returns the two completions and the retractions the cache counted."""
     with Engine(model="tiny-random", policy="lru", device_tokens=512, host_tokens=0,
-                page_size=16, decode_reserve=reserve, loaded=tiny16) as eng:
+                page_size=16, decode_reserve=reserve, loaded=tiny16, **cfg) as eng:
         async def one(prompt):
             req = eng.make_request(prompt_ids=prompt, max_tokens=200)
             req.params.ignore_eos = True
@@ -104,3 +104,16 @@ def test_an_optimistic_reserve_runs_both_and_a_retracted_request_decodes_on_unch
         assert [c.finish_reason for c in got] == ["length", "length"]
         assert [c.token_ids for c in got] == [c.token_ids for c in alone]
         assert [c.cached_tokens for c in got] == [0, 0]  # what the client's prompt got
+
+
+def test_deterministic_mode_replays_a_retracted_reply_bit_for_bit(tiny16):
+    """--deterministic: a retracted request keeps only its prompt cached (decode-written KV is
+    not what a prefill writes) and replays its outputs through batch-invariant decode steps,
+    so even in bf16 both replies are token for token the ones written alone."""
+    prompts = [[10 + i for i in range(100)], [250 - i for i in range(100)]]
+    det = dict(deterministic=True, deterministic_chunk=32, max_batch=4)
+    alone, _ = _two_long_replies(tiny16, 1.0, prompts, solo=True, **det)
+    optimistic, retracted = _two_long_replies(tiny16, 0.5, prompts, **det)
+    assert retracted >= 1
+    assert [c.token_ids for c in optimistic] == [c.token_ids for c in alone]
+    assert [c.finish_reason for c in optimistic] == ["length", "length"]
