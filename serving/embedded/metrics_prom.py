@@ -84,6 +84,8 @@ class EngineCollector:
         yield counter("prefetch", "Prefetches, by outcome.", labels=["outcome"], samples=[
             ([k], m["prefetch_" + k]) for k in ("issued", "used", "wasted", "stale", "deferred")])
         yield counter("demand_loads", "Host->device loads started on demand.", m["demand_loads"])
+        yield counter("retractions", "Running requests sent back to wait: no room to decode past "
+                      "their optimistic reserve (--decode-reserve).", m.get("retractions", 0))
         yield counter("load_seconds", "Host->device load time, hidden behind compute or exposed.",
                       labels=["kind"], samples=[(["hidden"], m["load_hidden_s"]),
                                                 (["exposed"], m["load_exposed_s"])])

@@ -205,7 +205,7 @@ def test_metrics_endpoint(serve):
         for needle in ['kvflow_prompt_tokens_by_tier_total{tier="device"}', 'kvflow_prefetch_total{outcome="wasted"}',
                        'kvflow_load_seconds_total{kind="hidden"}', 'kvflow_queue_depth{state="loading"}',
                        'kvflow_hints_total{result="rejected"} 2.0', "kvflow_evictions_total",
-                       'kvflow_pool_pages{kind="reserved",tier="device"} 0.0']:
+                       'kvflow_pool_pages{kind="reserved",tier="device"} 0.0', "kvflow_retractions_total 0.0"]:
             assert needle in text, needle
         dev = [line for line in text.splitlines() if line.startswith('kvflow_prompt_tokens_by_tier_total{tier="device"}')]
         assert float(dev[0].split()[-1]) > 0
