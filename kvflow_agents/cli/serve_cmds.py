@@ -189,7 +189,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"admission {eng.manager.admission.order}; eviction "
                    f"{'partial nodes' if partial_eviction else 'whole nodes'}; decode pages "
                    f"{'lazy' if lazy_decode_pages else 'upfront'}"
-                   + (f" (reserve {eng.manager.decode_reserve:g} of max_tokens)" if lazy_decode_pages else ""))
+                   + (f" (reserve {eng.manager.decode_reserve:g} of max_tokens)"
+                      if lazy_decode_pages else ""))
         typer.echo(f"  OpenAI base URL: {url}   (KVFlow: {url[:-3]}/kvflow/v1/cache, /metrics)"
                    + (f"   [API key required; {len(keys)} tenant(s)]" if keys else "")
                    + ("   [deterministic]" if deterministic else ""))

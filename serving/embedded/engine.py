@@ -597,7 +597,8 @@ class Engine:
         # each writes the KV of its token at kv_len: its last output (and samples the next), or
         # (replaying after a retraction to its prompt) an earlier output, its logits unused
         n0 = [r.kv_len for r in running]
-        seqs = [(r.output_ids[pos - len(r.prompt_ids)], r.pages, pos) for r, pos in zip(running, n0)]
+        seqs = [(r.output_ids[pos - len(r.prompt_ids)], r.pages, pos)
+                for r, pos in zip(running, n0)]
         sampled = [i for i, r in enumerate(running) if r.kv_len == r.seq_len]
         # CUDA: the stream waits for every load (free); CPU: only for pages this step writes
         # (each sequence's next slot; what it reads was waited for at its prefill)
@@ -662,7 +663,8 @@ class Engine:
         req.session.retract(req.prompt_ids + req.output_ids, written)
         self.scheduler.retracted(req)
         req.prefilled = req.kv_len = 0
-        log.debug("retracted %s after %d tokens (no room past its reserve)", req.rid, len(req.output_ids))
+        log.debug("retracted %s after %d tokens (no room past its reserve)",
+                  req.rid, len(req.output_ids))
 
     def _decode_logits(self, seqs: list):
         """One decode step for ``seqs`` (each writes only its own KV slot, so re-running a

@@ -194,7 +194,8 @@ class Request:
     @property
     def decoding(self) -> bool:
         """Prefill done (of the prompt, or after a retraction of prompt + outputs so far)."""
-        return bool(self.output_ids) and self.session is not None and self.prefilled >= len(self.session.tokens)
+        s = self.session
+        return bool(self.output_ids) and s is not None and self.prefilled >= len(s.tokens)
 
 
 def _admission_key(req: Request) -> tuple:

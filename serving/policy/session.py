@@ -107,7 +107,7 @@ class RequestSession:
         self.hints = hints
         self.fixed_len = fixed_len
         self.kv_tokens = max(len(self.tokens), kv_tokens or 0)
-        self.state = "waiting"           # waiting -> admitted -> finished (admitted -> waiting: retract)
+        self.state = "waiting"           # -> admitted -> finished (admitted -> waiting: retract)
         self.tag = None                  # (workflow key, agent) of its hints
         self.admission_key: tuple = ()   # engines try the smallest first (manager.admission)
         self.handle = None               # lock handle (the deepest matched node)
@@ -200,7 +200,8 @@ class RequestSession:
         store = self._mgr.store
         p = store.peek(self.tokens)
         have = p.device_len if p.needs_load else p.cached_len
-        return max(0, self._upfront_pages() + self._decode_reserve() - self._reusable(have) // store.page_size)
+        take = self._upfront_pages() + self._decode_reserve()
+        return max(0, take - self._reusable(have) // store.page_size)
 
     def _reusable(self, cached: int) -> int:
         """Tokens of a ``cached`` prefix admission reuses (the rest is prefilled): whole pages,
@@ -343,7 +344,8 @@ class RequestSession:
             raise RuntimeError(f"retract: session is {self.state}")
         store = self._mgr.store
         if written < len(self.tokens):
-            raise ValueError(f"retract: {written} tokens written, fewer than its {len(self.tokens)}")
+            raise ValueError(f"retract: {written} tokens written, fewer than its "
+                             f"{len(self.tokens)}")
         self._insert(written, seq)
         own = self.pages[self.own_from:]
         if own:

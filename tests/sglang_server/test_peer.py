@@ -92,8 +92,9 @@ def test_peer_runs_the_same_workflow_on_both(peer_runs):
 def test_peer_prefix_cache_hits_per_agent(peer_runs, tokenizer):
     """Every agent's fixed prompt is reused: each agent's later calls hit the cache, except
     where the plugin chose to recompute a host-only prefix (the harness's link is deliberately
-    slow, 1 s per 1000 tokens, and the tiny model prefills far faster): then it must have
-    declined loads. The decision uses the link and prefill estimates *of that moment* (link
+    slow, 1 s per 1000 tokens, and the tiny model prefills far faster; the plugin server's
+    recompute estimate is now pinned above the link, ``sglang_harness.CONFIGS``, so it loads):
+    then it must have declined loads. The decision uses the link and prefill estimates *of that moment* (link
     queue, scheduler step, calibration so far), so the end-of-run estimates are reported with
     a miss but not required to favour recomputing. (One CI run declined the planner's loads
     while its final estimates favoured loading: the prefill speed was then timed per request,
