@@ -105,6 +105,7 @@ class _Poster:
         self.sent = 0
         self.failed = 0
         self.dropped = 0
+        self.last_error: Optional[str] = None   # the last failure, for diagnostics
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._client: Any = None
@@ -142,24 +143,36 @@ class _Poster:
                         headers[HEADER_ROUTING_KEY] = hints.headers()[HEADER_ROUTING_KEY]
                     r = None
                     if hints is None or root not in _carrier_roots:
-                        r = self._client.post(url, content=body, headers=headers)
+                        r = self._post(url, content=body, headers=headers)
                     if hints is not None and (r is None or r.status_code in (404, 405)):
                         if r is not None:
                             log.debug("kvflow: %s has no hint endpoint (a gateway?): sending "
                                       "out-of-band hints as hint-only completions", root)
                             _carrier_roots.add(root)
                         carrier = hint_only_completion(hints, event, _models.get(root) or "default")
-                        r = self._client.post(root + CARRIER_PATH, json=carrier, headers=headers)
+                        r = self._post(root + CARRIER_PATH, json=carrier, headers=headers)
                     if r.status_code >= 400:
                         self.failed += 1
+                        self.last_error = f"{r.request.url} answered {r.status_code}"
                         log.debug("kvflow: hint endpoint %s answered %s", url, r.status_code)
                     else:
                         self.sent += 1
-                except Exception:  # noqa: BLE001 — best effort
+                except Exception as e:  # noqa: BLE001 — best effort
                     self.failed += 1
+                    self.last_error = f"{url}: {type(e).__name__}: {e}"
                     log.debug("kvflow: could not post hints to %s", url, exc_info=True)
             finally:
                 self.queue.task_done()
+
+    def _post(self, url: str, **kw) -> Any:
+        """POST, once more if the connection broke before an answer came (a pooled keep-alive
+        connection the server closed, e.g. a gateway after answering 404): hint events are
+        idempotent (a transition or an end merged twice changes nothing), so the retry is safe.
+        Timeouts are not retried: the server got the request and is slow."""
+        try:
+            return self._client.post(url, **kw)
+        except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError, httpx.WriteError):
+            return self._client.post(url, **kw)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued post was tried (tests, shutdown). ``False`` on timeout."""

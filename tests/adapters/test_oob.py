@@ -93,3 +93,36 @@ def test_hint_posts_reuse_the_apps_api_key(recording_server):
     assert oob.flush(5)
     (post,) = recording_server.hint_posts()
     assert post.headers["authorization"] == "Bearer sk-secret"
+
+
+def test_a_connection_closed_before_the_answer_is_posted_again():
+    """A server that drops the connection without answering (what a keep-alive connection a
+    gateway closed after its 404 looks like) gets the event once more, on a new connection."""
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    seen = []
+
+    def serve():
+        for i in range(2):
+            conn, _ = srv.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                seen.append(data.split(b"\r\n", 1)[0])
+                if i == 1:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    sent, failed = oob._poster.sent, oob._poster.failed
+    try:
+        assert oob.HintReporter(f"http://127.0.0.1:{port}/v1").report(H, event="end")
+        assert oob.flush(10)
+        t.join(5)
+    finally:
+        srv.close()
+    assert seen == [b"POST /kvflow/v1/hints HTTP/1.1"] * 2
+    assert (oob._poster.sent - sent, oob._poster.failed - failed) == (1, 0)

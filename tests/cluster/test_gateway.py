@@ -124,7 +124,8 @@ def test_out_of_band_end_reaches_the_worker_holding_the_workflow(cluster):
     # on failure, say where the event went: lost by the poster, or re-routed by the gateway
     # (smg's manual policy moves a key only while its worker is marked unhealthy)
     assert d[holder] == (1, 0) and sum(a for a, _ in d) == 1, (
-        f"holder w{holder}, per-worker delta {d}, poster failures +{oob._poster.failed - failed}, "
+        f"holder w{holder}, per-worker delta {d}, poster failures +{oob._poster.failed - failed} "
+        f"(last: {oob._poster.last_error}), "
         f"gateway log:\n{cluster.gateway.log_tail()}")
     assert not any("oob-wf" in wfs for wfs in cached_workflows(cluster))  # released where it lived
 
