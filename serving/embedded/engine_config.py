@@ -57,7 +57,7 @@ class EngineConfig:
     # With lazy pages: the fraction of the decode pages max_tokens allows that admission
     # reserves (SGLang's new_token_ratio). Replies mostly stop well short of max_tokens (PEER's
     # executors write ~130 of 240), and a full reserve made the third of three parallel
-    # executors wait 10-15 s at the bench's default pool for room the first two never used.
+    # executors wait 3-16 s at the bench's default pool for room the first two never used.
     # Growth past the reserve that finds no room retracts the newest running request (vLLM's
     # preemption by recompute: its KV stays cached, it is re-prefilled from the cache and
     # decodes on). 1.0: never retract. Deterministic mode caches only the prompt of a

@@ -47,7 +47,7 @@ decode it next step).
 Optimistic reserve (``KVCacheManager(decode_reserve=r)``, r < 1; SGLang's ``new_token_ratio``):
 admission reserves only ``ceil(r x`` the decode pages ``max_tokens`` allows ``)``, since most
 replies stop well before ``max_tokens`` (PEER's executors write ~130 of 240): at r = 1 the third
-of three parallel executors waited 10-15 s for a reserve the first two never used. Growth past
+of three parallel executors waited 3-16 s for a reserve the first two never used. Growth past
 the reserve takes pages only where ``room_for`` leaves every other running reserve coverable
 (so S1 still holds for reserves); where it cannot, ``grow`` answers False with ``needs_room`` and
 the engine retracts a running optimistic session (vLLM's preemption by recompute: the newest
@@ -118,9 +118,8 @@ class RequestSession:
         self.own_from = 0                # pages[own_from:] are the request's, not the tree's
         self.reused = 0                  # tokens taken from the cache at (the last) admission
         self.prompt_reused = 0           # ... at the first admission: what the client's prompt got
-        self.full_reserve = False        # reserve all of kv_tokens (after a retraction)
         self.needs_room = False          # the last grow found no room past the reserve
-        self.retractions = 0
+        self.retractions = 0             # after one it reserves all of kv_tokens (full_reserve)
         self.ready_at: float | None = None  # an inline load lands then (admit(load_inline=True))
         self.loads_read: list = []
         self.load_wait_s = 0.0
@@ -230,6 +229,11 @@ class RequestSession:
         if later <= 0 or r >= 1 or self.full_reserve:
             return later
         return min(later, math.ceil(later * r))
+
+    @property
+    def full_reserve(self) -> bool:
+        """Reserve all of ``kv_tokens``: a retracted session is never retracted again."""
+        return self.retractions > 0
 
     @property
     def growing(self) -> bool:
@@ -342,21 +346,14 @@ class RequestSession:
         again; its place in admission order is kept."""
         if self.state != "admitted":
             raise RuntimeError(f"retract: session is {self.state}")
-        store = self._mgr.store
         if written < len(self.tokens):
             raise ValueError(f"retract: {written} tokens written, fewer than its "
                              f"{len(self.tokens)}")
         self._insert(written, seq)
-        own = self.pages[self.own_from:]
-        if own:
-            store.free(own)
-        if self.handle is not None:
-            store.unlock(self.handle)
-            self.handle = None
+        self._release()
         self.tokens = list(seq[:written])
-        self.pages, self.own_from, self.decode_reserved = [], 0, 0
+        self.own_from = 0
         self.ready_at, self.recompute_host, self.needs_room = None, False, False
-        self.full_reserve = True
         self.retractions += 1
         self.state = "waiting"
         self._mgr._retracted(self)
@@ -395,19 +392,10 @@ class RequestSession:
         tokens of ``seq`` join the tree; its own pages are freed and its path unpinned."""
         if self.state == "finished":
             return
-        store = self._mgr.store
-        if self.state == "admitted" and self.pages:
-            if cache:
-                self._insert(written, seq)
-                self.written = list((self.tokens if seq is None else seq)[:written])
-            own = self.pages[self.own_from:]
-            if own:
-                store.free(own)
-            self.pages = []
-        self.decode_reserved = 0
-        if self.handle is not None:
-            store.unlock(self.handle)
-            self.handle = None
+        if self.state == "admitted" and self.pages and cache:
+            self._insert(written, seq)
+            self.written = list((self.tokens if seq is None else seq)[:written])
+        self._release()
         self.state = "finished"
         self._mgr._finished(self)
 
@@ -418,6 +406,19 @@ class RequestSession:
             self.handle = None
 
     # ------------------------------------------------------------------ helpers
+    def _release(self) -> None:
+        """Free the request's own pages (the tree keeps what was inserted), drop its reserve
+        and its pin: what finishing and retracting share."""
+        store = self._mgr.store
+        own = self.pages[self.own_from:]
+        if own:
+            store.free(own)
+        self.pages = []
+        self.decode_reserved = 0
+        if self.handle is not None:
+            store.unlock(self.handle)
+            self.handle = None
+
     def _relock(self, node) -> None:
         store = self._mgr.store
         new = store.lock(node)
