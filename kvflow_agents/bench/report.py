@@ -12,6 +12,8 @@ the workflow latency, i.e. the share of the time the oracle saves over a baselin
 hicache) that the policy saves too (1.0 = all of it). Besides the pooled value it is computed per
 trial (per PEER question), pairing the policies' runs of the same trial, and the spread (min,
 median, max) is reported: a ratio of differences is noisy, and the spread says how much. The
+mean-based ratio also gets a paired-bootstrap interval over trials (:func:`saving_interval`,
+90 %), which says whether a run resolved the target at all. The
 same ratio on the **cache cost** (:func:`annotate_cache_cost`: recomputed tokens x the calibrated
 recompute time per token + exposed load time, from counters) is printed beside it: it does not
 move with the machine's load, so on a shared box it says what the policy achieved.
@@ -107,10 +109,48 @@ def _spread(xs: Sequence[float]) -> dict:
                                                                              "max": None}
 
 
+CI_LEVEL = 0.90
+CI_RESAMPLES = 4000
+
+
+def saving_interval(trials: Sequence[tuple[float, float, float]], *, level: float = CI_LEVEL,
+                    resamples: int = CI_RESAMPLES, seed: int = 0) -> Optional[dict]:
+    """A paired percentile-bootstrap interval for the mean-based saving ratio
+    ``(sum(base) - sum(me)) / (sum(base) - sum(oracle))`` over trials given as ``(base, me,
+    oracle)`` latencies of the same trial (a PEER question, a workflow trial).
+
+    Why: the per-trial ratios' spread overstates the uncertainty (a trial whose oracle saves
+    little divides by almost nothing) and the pooled ratio alone hides it. Resampling whole
+    trials keeps each trial's three policies paired, so the machine's drift, which hits them
+    alike, cancels. Deterministic (seeded). ``None`` with fewer than 3 trials, or when more than
+    5 % of the resamples have no saving to capture (the oracle's lead is not resolved)."""
+    import random
+
+    if len(trials) < 3:
+        return None
+    rng, n, vals, void = random.Random(seed), len(trials), [], 0
+    for _ in range(resamples):
+        b = m = o = 0.0
+        for _ in range(n):
+            tb, tm, to = trials[rng.randrange(n)]
+            b, m, o = b + tb, m + tm, o + to
+        if b - o <= 0:
+            void += 1
+            continue
+        vals.append((b - m) / (b - o))
+    if void > 0.05 * resamples:
+        return None
+    vals.sort()
+    tail = (1 - level) / 2
+    return {"level": level, "lo": vals[int(tail * (len(vals) - 1))],
+            "hi": vals[int((1 - tail) * (len(vals) - 1))], "resamples": resamples}
+
+
 def saving_ratios(results: Sequence[PolicyResult], oracle: str = "oracle") -> dict[str, dict[str, dict]]:
     """Per policy (not lru, not the reference) and baseline (lru, hicache; not itself):
     ``ratio`` (pooled p50s), ``ratio_mean`` (pooled means), ``trials`` ([trial, ratio] from each
-    trial's p50s, policies paired per trial) and their ``min`` / ``median`` / ``max``.
+    trial's p50s, policies paired per trial) and their ``min`` / ``median`` / ``max``, and
+    ``ci`` (:func:`saving_interval` over the paired trials: ``lo`` / ``hi``, or ``None``).
     ``oracle``: the reference (``"oracle-pool"``: the best latency with the same pool for
     running requests; the ``oracle-pool`` column against ``"oracle"`` is the share of the
     unbounded oracle's saving that any policy could take with this pool)."""
@@ -128,12 +168,13 @@ def saving_ratios(results: Sequence[PolicyResult], oracle: str = "oracle") -> di
             if base not in by or base == r.policy:
                 continue
             b_tr, me_tr = _trials(by[base]), _trials(r)
-            per = [[t, v] for t in sorted(set(b_tr) & set(me_tr) & set(o_tr))
-                   if (v := _saving(b_tr[t], me_tr[t], o_tr[t])) is not None]
+            paired = sorted(set(b_tr) & set(me_tr) & set(o_tr))
+            per = [[t, v] for t in paired if (v := _saving(b_tr[t], me_tr[t], o_tr[t])) is not None]
             row[base] = {"ratio": _saving(_lat(by, base), _lat(by, r.policy), _lat(by, oracle)),
                          "ratio_mean": _saving(_lat(by, base, MEAN_KEY), _lat(by, r.policy, MEAN_KEY),
                                                _lat(by, oracle, MEAN_KEY)),
-                         "trials": per, **_spread([v for _, v in per])}
+                         "trials": per, **_spread([v for _, v in per]),
+                         "ci": saving_interval([(b_tr[t], me_tr[t], o_tr[t]) for t in paired])}
         if row:
             out[r.policy] = row
     return out
@@ -185,15 +226,37 @@ def check_targets(results: Sequence[PolicyResult], targets: Sequence[Target]) ->
         if t.op == "saving>=":
             s = sav.get(t.policy, {}).get(t.baseline, {})
             v, vm = s.get("ratio"), s.get("ratio_mean")
-            extra = {"trial_min": s.get("min"), "trial_max": s.get("max")}
+            extra = {"trial_min": s.get("min"), "trial_max": s.get("max"), "ci": s.get("ci")}
         else:
             v = rat.get(t.policy, {}).get(key(t))
             vm = mrat.get(t.policy, {}).get(key(t))
         ok = (lambda x: x <= t.value) if t.op == "<=" else (lambda x: x >= t.value)
         out.append({"target": t.describe(), "kind": "saving" if t.op == "saving>=" else "ratio",
+                    "value": t.value,
                     "measured": v, "met": None if v is None else ok(v), "measured_mean": vm,
                     "met_on_mean": None if vm is None else ok(vm), **extra})
     return out
+
+
+# what :func:`to_json` derives from the results (recomputed by :func:`from_json`)
+DERIVED_KEYS = ("policies", "cache_cost_recompute_s_per_token", "saving_cache_cost", "ratio_basis",
+                "ratios", "ratios_mean", "ttft_ratios", "saving", "saving_same_pool", "targets",
+                "target_specs")
+
+
+def from_json(doc: dict) -> tuple[dict, list[PolicyResult], list[Target]]:
+    """A saved ``--json`` document back as ``(meta, results, targets)``: what ``to_json`` was
+    given, so a stored run can be reported again (``kvflow bench show``) with today's ratios."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("policies"), dict) or not doc["policies"]:
+        raise ValueError("not a kvflow bench result: no 'policies' object")
+    results = []
+    for name, d in doc["policies"].items():
+        if not isinstance(d, dict) or not isinstance(d.get("workload"), dict):
+            raise ValueError(f"policy {name!r}: no 'workload' object")
+        results.append(PolicyResult(d.get("policy", name), d["workload"], d.get("server"),
+                                    d.get("serve_argv") or [], d.get("startup_s") or 0.0, d.get("raw")))
+    targets = [Target(**t) for t in doc.get("target_specs") or []]
+    return {k: v for k, v in doc.items() if k not in DERIVED_KEYS}, results, targets
 
 
 def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Target] = (),
@@ -265,6 +328,8 @@ def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, 
                 vals.append("-")
             elif what == "ratio":
                 vals.append(_fmt(x["ratio"], "f2"))
+            elif what == "ci":
+                vals.append(_range([x["ci"]["lo"], x["ci"]["hi"]], "f2") if x.get("ci") else "-")
             else:
                 vals.append(_range([x["min"], x["max"]], "f2") if x["trials"] else "-")
         return vals
@@ -297,6 +362,7 @@ def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, 
         ("  over trials", saving("lru", "range")),
         ("saving vs hicache", saving("hicache", "ratio")),
         ("  over trials", saving("hicache", "range")),
+        (f"  {CI_LEVEL:.0%} CI (mean)", saving("hicache", "ci")),
         *([("saving vs hicache, pool", saving("hicache", "ratio", psav)),
            ("  over trials", saving("hicache", "range", psav))] if psav else []),
         ("cache cost (s)", w("cache_cost_s", "s")),
@@ -321,6 +387,7 @@ def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, 
             f"{_fmt(mrat[r.policy]['speedup_vs_lru'], 'x')} / {_fmt(mrat[r.policy]['speedup_vs_hicache'], 'x')}"
             for r in results]),
         ("latency vs oracle (mean)", [_fmt(mrat[r.policy]["latency_vs_oracle"], "x") for r in results]),
+        (f"saving vs lru, {CI_LEVEL:.0%} CI (mean)", saving("lru", "ci")),
         ("saving vs lru / hicache (mean)", [
             " / ".join(_fmt(sav.get(r.policy, {}).get(b, {}).get("ratio_mean"), "f2") for b in BASELINES)
             for r in results]),
@@ -379,6 +446,11 @@ def target_lines(results: Sequence[PolicyResult], targets: Sequence[Target]) -> 
                 if t.get("measured_mean") is not None else "")
         spread = (f"; trials {t['trial_min']:.2f}..{t['trial_max']:.2f}"
                   if t.get("trial_min") is not None else "")
+        ci = t.get("ci")
+        if ci:  # does this run resolve the target at all?
+            verdict = ("above it" if ci["lo"] >= t["value"] else "below it" if ci["hi"] < t["value"]
+                       else "spans it: unresolved")
+            spread += f"; mean's {ci['level']:.0%} CI {ci['lo']:.2f}..{ci['hi']:.2f} {verdict}"
         out.append(f"target {t['target']}: {t['measured']:.2f}{unit} (p50) -> "
                    f"{'met' if t['met'] else 'MISSED'}{mean}{spread}")
     return out
@@ -442,9 +514,10 @@ def plot(results: Sequence[PolicyResult], path: str, title: str = "kvflow bench"
 
 
 def _plot_saving(ax, sav: dict, colors: dict) -> None:
-    """Achievable saving per policy and baseline, error bars = min..max over trials."""
+    """Achievable saving per policy and baseline: bars the pooled p50 ratio with min..max over
+    trials, dots the mean-based ratio with its paired-bootstrap interval."""
     pols = list(sav)
-    w = 0.38
+    w, labeled = 0.38, False
     for k, base in enumerate(BASELINES):
         xs, ys, lo, hi = [], [], [], []
         for i, p in enumerate(pols):
@@ -458,10 +531,21 @@ def _plot_saving(ax, sav: dict, colors: dict) -> None:
         if xs:
             ax.bar(xs, ys, w, yerr=[[max(0, v) for v in lo], [max(0, v) for v in hi]], capsize=3,
                    color="#999999" if base == "lru" else "#4c72b0", label=f"vs {base}")
+        # the mean-based ratio with its bootstrap interval, beside the bar
+        ci = [(i + (k - 0.5) * w + w / 4, sav[p][base]) for i, p in enumerate(pols)
+              if (sav[p].get(base) or {}).get("ci") and sav[p][base].get("ratio_mean") is not None]
+        if ci:
+            ax.errorbar([x for x, _ in ci], [c["ratio_mean"] for _, c in ci],
+                        yerr=[[max(0, c["ratio_mean"] - c["ci"]["lo"]) for _, c in ci],
+                              [max(0, c["ci"]["hi"] - c["ratio_mean"]) for _, c in ci]],
+                        fmt="o", ms=3, color="k", lw=1, capsize=2,
+                        label=None if labeled else f"mean, {CI_LEVEL:.0%} CI")
+            labeled = True
     ax.axhline(1.0, color="#55a868", lw=1, label="oracle")
     ax.axhline(0.95, color="k", lw=0.8, ls="--", label="target 0.95")
     ax.set_xticks(range(len(pols)), pols)
-    ax.set_title("share of the oracle's saving (bars: min..max over trials)", fontsize=9)
+    ax.set_title(f"oracle's saving taken\n(bars: p50, min..max over trials; dots: mean, {CI_LEVEL:.0%} CI)",
+                 fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
 
 

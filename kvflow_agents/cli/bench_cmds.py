@@ -260,6 +260,31 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    @bench_app.command("show")
+    def show(
+        result: str = typer.Argument(..., help="A `kvflow bench workflow|peer --json` file."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Write the re-derived numbers here "
+                                               "('-': stdout)."),
+        plot_out: Optional[str] = typer.Option(None, "--plot", help="Draw it (matplotlib PNG)."),
+        wide: bool = typer.Option(False, "--wide/--no-wide", help="Every row, not only the 80-column ones."),
+    ):
+        """Report a saved `kvflow bench workflow` or `peer` result again: the table, the ratios
+        (with the achievable saving's confidence interval), the targets and the plot, derived
+        from its per-policy numbers by this version's report."""
+        from pathlib import Path
+
+        from rich.console import Console
+
+        from kvflow_agents.bench import report
+
+        try:
+            meta, results, targets = report.from_json(json.loads(Path(result).read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise typer.BadParameter(str(e), param_hint="RESULT") from None
+        title = f"{meta.get('command') or 'kvflow bench ' + str(meta.get('bench', ''))} ({Path(result).name})"
+        _emit(Console(), report.to_json(meta, results, targets, raw=True), results, title=title,
+              targets=targets, json_path=json_out, plot_path=plot_out, wide=wide)
+
     @bench_app.command("workflow")
     def workflow(
         preset: Optional[str] = typer.Option(

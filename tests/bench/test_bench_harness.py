@@ -153,6 +153,70 @@ def _trial_result(policy, per_trial):
                                  "calls": 10, "errors": 0})
 
 
+def _exact_bootstrap(trials):
+    """Every ordered resample of ``trials`` (n^n, equally likely): the bootstrap distribution
+    the seeded sampler approximates (brute-force reference)."""
+    import itertools
+    out = []
+    for pick in itertools.product(trials, repeat=len(trials)):
+        b, m, o = (sum(t[i] for t in pick) for i in range(3))
+        if b - o > 0:
+            out.append((b - m) / (b - o))
+    return sorted(out)
+
+
+def test_saving_interval_brackets_the_mean_ratio_like_the_exact_bootstrap():
+    trials = [(42.0, 40.0, 38.5), (45.0, 41.0, 40.0), (40.0, 39.5, 36.0), (44.0, 40.5, 41.0)]
+    ci = report.saving_interval(trials)
+    b, m, o = (sum(t[i] for t in trials) for i in range(3))
+    assert ci["lo"] < (b - m) / (b - o) < ci["hi"]
+    exact = _exact_bootstrap(trials)                       # 256 resamples
+    q = lambda f: exact[int(f * (len(exact) - 1))]         # noqa: E731
+    assert q(0.02) <= ci["lo"] <= q(0.10) and q(0.90) <= ci["hi"] <= q(0.98)
+    assert report.saving_interval(trials) == ci            # seeded: the same run, the same interval
+    # the same trial repeated: nothing to resample, the interval is the ratio itself
+    same = report.saving_interval([(2.0, 1.2, 1.0)] * 4)
+    assert same["lo"] == pytest.approx(0.8) and same["hi"] == pytest.approx(0.8)
+    # the policy's latency noisier around the same mean: a wider interval, wider with more noise
+    widths = []
+    for scale in (1.0, 2.0, 3.0):
+        noisy = [(b_, m_ + scale * d, o_) for (b_, m_, o_), d in zip(trials, (1, -1, 1, -1))]
+        wide = report.saving_interval(noisy)
+        widths.append(wide["hi"] - wide["lo"])
+    assert ci["hi"] - ci["lo"] < widths[0] < widths[1] < widths[2]
+    # too few trials, or an oracle lead that many resamples do not have: no interval
+    assert report.saving_interval(trials[:2]) is None
+    assert report.saving_interval([(1.0, 1.0, 1.0), (1.0, 1.0, 1.0), (2.0, 1.5, 1.0)]) is None
+
+
+def test_bench_show_reports_a_saved_result_again(tmp_path):
+    rs = [_trial_result("hicache", [45.0, 40.0, 50.0, 42.0]), _trial_result("kvflow", [42.0, 39.0, 46.0, 41.0]),
+          _trial_result("oracle", [41.0, 38.5, 45.0, 40.0])]
+    saved = report.to_json({"bench": "peer", "command": "kvflow bench peer --questions 4"}, rs,
+                           report.PEER_TARGETS, raw=True)
+    for key in ("saving", "targets"):        # as a run of an older version wrote it: no interval
+        saved.pop(key)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(saved))
+    out = tmp_path / "again.json"
+    res = CliRunner().invoke(app, ["bench", "show", str(path), "--json", str(out),
+                                   "--plot", str(tmp_path / "again.png")], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert "kvflow bench peer --questions 4" in res.output and "90% CI (mean)" in res.output
+    assert "unresolved" in res.output or "above it" in res.output or "below it" in res.output
+    doc = json.loads(out.read_text())
+    k = doc["saving"]["kvflow"]["hicache"]
+    assert k["ratio_mean"] == pytest.approx((177 - 168) / (177 - 164.5))
+    assert k["ci"] == report.saving_interval([(45.0, 42.0, 41.0), (40.0, 39.0, 38.5), (50.0, 46.0, 45.0),
+                                              (42.0, 41.0, 40.0)])
+    assert doc["policies"]["kvflow"]["workload"] == saved["policies"]["kvflow"]["workload"]
+    assert (tmp_path / "again.png").stat().st_size > 0
+    # not a result: a clear error, exit 2
+    (tmp_path / "bad.json").write_text('{"policies": []}')
+    res = CliRunner().invoke(app, ["bench", "show", str(tmp_path / "bad.json")])
+    assert res.exit_code == 2 and "not a kvflow bench result" in res.output
+
+
 def test_achievable_saving_pairs_trials_and_reports_the_spread():
     rs = [_trial_result("lru", [2.0, 2.2, 3.0]), _trial_result("hicache", [1.5, 1.6, 1.5]),
           _trial_result("kvflow", [1.05, 1.1, 1.2]), _trial_result("oracle", [1.0, 1.0, 1.0])]
@@ -179,6 +243,11 @@ def test_achievable_saving_pairs_trials_and_reports_the_spread():
     assert "saving vs lru" in names and "saving vs hicache" in names
     vals = dict(report.rows(rs, wide=False))["saving vs lru"]
     assert vals == ["-", "0.58", "0.92", "-"]       # hicache (2.2-1.5)/1.2, kvflow 1.1/1.2
+    ci = k["ci"]                                    # mean-based: (7.2-3.35)/(7.2-3) = 0.917
+    assert ci["lo"] <= 3.85 / 4.2 <= ci["hi"] and ci["level"] == report.CI_LEVEL
+    row = dict(report.rows(rs, wide=False))["  90% CI (mean)"]
+    assert row[2] == f"{h['ci']['lo']:.2f}-{h['ci']['hi']:.2f}" and row[0] == "-"
+    assert got[0]["ci"] == ci
     assert report.saving_ratios(rs[:3]) == {}
     assert "saving vs hicache, pool" not in names            # no oracle-pool column
     # with the pool oracle: each policy's share of *its* saving over hicache, and its own share
