@@ -238,12 +238,6 @@ def check_targets(results: Sequence[PolicyResult], targets: Sequence[Target]) ->
     return out
 
 
-# what :func:`to_json` derives from the results (recomputed by :func:`from_json`)
-DERIVED_KEYS = ("policies", "cache_cost_recompute_s_per_token", "saving_cache_cost", "ratio_basis",
-                "ratios", "ratios_mean", "ttft_ratios", "saving", "saving_same_pool", "targets",
-                "target_specs")
-
-
 def from_json(doc: dict) -> tuple[dict, list[PolicyResult], list[Target]]:
     """A saved ``--json`` document back as ``(meta, results, targets)``: what ``to_json`` was
     given, so a stored run can be reported again (``kvflow bench show``) with today's ratios."""
@@ -256,7 +250,8 @@ def from_json(doc: dict) -> tuple[dict, list[PolicyResult], list[Target]]:
         results.append(PolicyResult(d.get("policy", name), d["workload"], d.get("server"),
                                     d.get("serve_argv") or [], d.get("startup_s") or 0.0, d.get("raw")))
     targets = [Target(**t) for t in doc.get("target_specs") or []]
-    return {k: v for k, v in doc.items() if k not in DERIVED_KEYS}, results, targets
+    derived = set(to_json({}, []))  # the keys to_json adds to meta (it is their one list)
+    return {k: v for k, v in doc.items() if k not in derived}, results, targets
 
 
 def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Target] = (),
