@@ -190,8 +190,6 @@ def _run_batch(eng, batch: int, context: int, steps: int, run: int, timeout_s: f
 
 def _instrument(eng, timers: _Timers, full: bool) -> Callable[[], None]:
     """Install the wrappers on the engine (on its thread, between steps); returns an undo."""
-    import kvflow_agents.serving.embedded.engine as engine_mod
-
     saved: list[tuple[Any, str, Any]] = []
 
     def setattr_saved(obj, name, value) -> None:
@@ -239,18 +237,13 @@ def _instrument(eng, timers: _Timers, full: bool) -> Callable[[], None]:
             s = stream(*a, **kw)
             return _Proxy(s, "detokenise", timers)
         setattr_saved(tok, "stream", timed_stream)
-        for name in ("sample_tokens", "sample_token"):  # the engine's sampling entry point
-            if hasattr(engine_mod, name):
-                saved.append((engine_mod, name, getattr(engine_mod, name)))
-                setattr(engine_mod, name, timers.wrap("sampling", getattr(engine_mod, name)))
+        setattr_saved(e, "sampler", _Proxy(e.sampler, "sampling", timers))  # one call per step
     eng.call(install)
 
     def undo(e=eng) -> None:
         def restore(_e) -> None:
             for obj, name, old in reversed(saved):
-                if obj is engine_mod:
-                    setattr(obj, name, old)
-                elif old is _MISSING:
+                if old is _MISSING:
                     try:
                         delattr(obj, name)
                     except AttributeError:

@@ -32,6 +32,7 @@ def test_engine_bench_cli(tmp_path, sink):
         assert set(x["breakdown_ms"]) == set(engine_step.CATEGORIES)
         assert x["breakdown_ms"]["forward"] > 0 and x["breakdown_ms"]["detokenise"] > 0
         assert x["breakdown_ms"]["sinks"] > 0 and x["breakdown_ms"]["cache"] > 0
+        assert x["breakdown_ms"]["sampling"] > 0     # the engine's BatchSampler, once a step
     s = doc["summary"]
     assert set(s["batch1_rest_ms"]) == {"oracle", "kvflow"} and isinstance(s["met"], bool)
     assert png.read_bytes()[:4] == b"\x89PNG"
