@@ -1,6 +1,6 @@
 """Request bookkeeping and the admission rule of the embedded engine's scheduler.
 
-Pure Python, no torch: the engine thread (``engine.py``) calls :meth:`Scheduler.admission_plan`
+Pure Python, no torch: the engine thread (``engine_loop.py``) calls :meth:`Scheduler.admission_plan`
 once per step and does the cache and model work itself.
 
 Request life cycle (``Request.state``)::

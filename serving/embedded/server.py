@@ -30,7 +30,7 @@ Invariants:
   slow 408 (see ``limits.py``); no input makes a 5xx;
 - one request cannot fail another: it is parsed, validated and tokenized (off the event loop, so
   ``/health`` and other requests go on) before the engine sees it, and a failure inside an engine
-  step fails only the request that caused it (``engine.py``);
+  step fails only the request that caused it (``engine_loop.py``);
 - hints on a request never fail it: malformed ones are ignored, logged, counted and reported in
   the ``x-kvflow-hints: rejected: <reason>`` response header (``accepted`` when used); every
   response header is legal, so every response is sent;

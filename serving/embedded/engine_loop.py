@@ -1,0 +1,549 @@
+"""``EngineLoop``: the engine thread's side of :class:`~.engine.Engine` (mixed into it).
+
+Invariant: every method here runs on the engine thread (``_run`` and what it calls, and the
+commands other threads queue with ``submit`` / ``abort`` / ``update_hints`` / ``call``); it is
+the only caller of the cache manager, the model and the pool's load side. It reads the state
+``Engine.__init__`` builds (annotated on the class below) and owns none of its own.
+
+One scheduler step: first poll of new arrivals (hit, pin, start on-demand loads of host-only
+prefixes) → ``manager.tick()`` (finish due loads, start prefetches from the planner's plan) →
+admit ready requests in the policy's admission order (kvflow: the oldest workflow's call first,
+``serving/policy/admission.py``; status-aware: loading ones are skipped, see ``scheduler.py``; the
+prompt's pages are allocated and ``decode_reserve`` of max_tokens' reserved at admission, the
+decode ones allocated as they are written) →
+chunked prefill (``max_prefill_tokens`` per step, reusing each request's cached device prefix)
+→ one batched decode over all running requests whose prefill is done.
+
+Cache protocol per request: the policy core's session (``serving/policy/session.py``), as
+every engine drives it: ``manager.arrive`` when a request is added (its hints merged),
+``poll`` when first seen by a step (hit counters, pin, start a demand load unless recomputing
+the host part is cheaper) and while it waits (status-aware: LOADING is skipped), ``admit`` for
+its pages, ``commit`` after prefill (insert + tag the fixed prefix), ``finish`` at the end. The
+engine reports its step time (``observe_step``: a loaded request is admitted a step later) and,
+with ``recompute_aware``, its prefill speed (``observe_prefill``: the recompute estimate).
+
+Failure isolation inside a step (one request never fails another): work on one request (poll,
+readiness, admission, prefill, sampling) runs under :meth:`EngineLoop._guard`: an exception
+fails that request alone (finish reason ``error``, pages and pins released); a batched decode
+or sampling call that raises is retried one sequence at a time, so only the sequence that
+fails is failed; ``_run`` catches everything else, and fails the running requests only when
+the step keeps failing.
+
+Deterministic mode (``EngineConfig.deterministic``): batch-invariant decode kernels
+(``LlamaModel.decode_batch(invariant_rows=max_batch)``), prefill chunks that end at multiples of
+``deterministic_chunk`` (absolute positions, whatever shares the step's budget), prefix reuse
+aligned to those chunks (the manager's ``reuse_align``), and only prompt KV cached
+(decode-written KV is not bit-identical to a prefill's). Greedy output then depends on the
+request alone, not on batching or cache state.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from kvflow_agents.serving.policy import CacheFullError
+
+from .scheduler import Completion, Request, RequestState, Scheduler, StreamEvent
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvflow_agents.serving.policy import CachePolicy, KVCacheManager
+
+    from .engine_config import EngineConfig
+    from .kv_pool import PagedKVPool
+    from .sampling import BatchSampler
+
+log = logging.getLogger("kvflow.engine")
+
+
+class LoopSink:
+    """The sink of a request streamed to an asyncio loop (:meth:`.engine.Engine.stream`); the engine
+    batches its events per loop and step instead of calling it."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop, q) -> None:
+        self.loop, self.queue = loop, q
+
+    def __call__(self, ev) -> None:  # direct use (outside the engine thread's batching)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+
+
+def _deliver(items) -> None:
+    """On the event loop: put a step's events on their requests' queues, in order."""
+    for q, ev in items:
+        q.put_nowait(ev)
+
+
+class EngineLoop:
+    """The engine thread's steps and commands (module doc); mixed into :class:`~.engine.Engine`."""
+
+    # built by Engine.__init__
+    config: "EngineConfig"
+    policy: "CachePolicy"
+    manager: "KVCacheManager"
+    pool: "PagedKVPool"
+    scheduler: Scheduler
+    sampler: "BatchSampler"
+    model: Any
+    tokenizer: Any
+    model_name: str
+    page_size: int
+    counters: dict
+    recorder: Any
+    _inbox: "queue.SimpleQueue[Callable[[], None]]"
+    _requests: dict
+    _stop: threading.Event
+    _lock: threading.Lock          # guards ``counters`` against the API threads' increments
+    _outbox: dict                  # event loop -> [(queue, event)] of this step
+    _snapshot: dict
+    _published: float
+    _fair_share: bool
+    _tenanted: bool
+    _cuda: bool
+
+    def _run(self) -> None:
+        import torch
+
+        progress, failed_steps = True, 0
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                try:
+                    self._drain(0.0 if progress else self._idle_timeout())
+                    if self._stop.is_set():
+                        break
+                    progress = self._step()
+                    failed_steps = 0
+                except Exception:  # noqa: BLE001 - the engine thread must survive anything
+                    # Failures a request causes are attributed to it inside the step (see
+                    # _fail); one that reaches here is the engine's own. Retry; only when the
+                    # step keeps failing are the running requests failed, so the queue moves.
+                    log.exception("engine step failed")
+                    self.counters["step_failures"] += 1
+                    failed_steps += 1
+                    progress = False
+                    if failed_steps >= 3:
+                        for r in list(self.scheduler.running):
+                            self._fail(r, "engine step", None)
+                        failed_steps = 0
+                try:
+                    self._flush_outbox()
+                    self._publish(force=not progress)
+                except Exception:  # noqa: BLE001 - delivery and metrics must not stop the engine
+                    log.exception("publishing engine events or stats failed")
+        for r in list(self._requests.values()):
+            self._finish(r, "abort", error="engine shut down")
+        self._flush_outbox()
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            cmd = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                cmd()
+            except Exception:
+                log.exception("engine command failed")
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                self._flush_outbox()  # e.g. an abort's final event
+                return
+
+    def _idle_timeout(self) -> float:
+        """How long to sleep when nothing could run: until the next load lands (or 0.5 s)."""
+        nxt = self.manager.next_event_at  # loads landing, tool-gap plans moving
+        nxt = nxt() if callable(nxt) else nxt
+        t = 0.5
+        if nxt is not None:  # demand loads and prefetches alike
+            t = min(t, nxt - self.pool.now())
+        return max(t, 0.0005)
+
+    def _step(self) -> bool:
+        t0 = time.perf_counter()
+        progress = self._step_once()
+        if progress:
+            self.manager.observe_step(time.perf_counter() - t0)
+        return progress
+
+    def _step_once(self) -> bool:
+        sched, mgr = self.scheduler, self.manager
+        self.counters["steps"] += 1
+        progress = False
+        for i, req in enumerate(list(sched.waiting)):  # bounded: polled requests pin their prefix
+            if i >= sched.max_batch:
+                break
+            if not req.session.looked:
+                # demand loads go on the link before this step's prefetches
+                self._guard(req, "cache lookup", self._poll, req)
+                progress = True
+        rep = mgr.tick(self.pool.now())  # finish due loads, then plan + start prefetches
+        progress |= bool(rep.loads_finished or rep.prefetches_started)
+        if rep.expired_workflows:
+            self._update_fair_share()
+        for req in sched.admission_plan(self._ready_guarded):
+            if self._guard(req, "admission", self._admit, req) is False:
+                break
+            progress = True
+        progress |= self._prefill()
+        if any(r.decoding for r in sched.running):
+            progress |= self._decode()
+        return progress
+
+    # -- failure isolation -------------------------------------------------------------------
+    # Invariant: an exception raised while working on one request fails that request only
+    # (its client gets the error, its pages and pins are released); the batch goes on.
+    def _guard(self, req: Request, what: str, fn: Callable, *args) -> Any:
+        """``fn(*args)``; if it raises, fail ``req`` alone and return None."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - attributed to this request
+            self._fail(req, what, e)
+            return None
+
+    def _ready_guarded(self, req: Request) -> bool:
+        return bool(self._guard(req, "readiness check", self._is_ready, req))
+
+    def _fail(self, req: Request, what: str, exc: Optional[BaseException]) -> None:
+        if req.state is RequestState.FINISHED:
+            return
+        if exc is not None:
+            log.error("%s failed for %s", what, req.rid, exc_info=exc)
+        msg = f"{what} failed for this request" + (f" ({type(exc).__name__})" if exc else "")
+        try:
+            self._finish(req, "error", error=msg)
+        except Exception:  # noqa: BLE001 - last resort: forget it, but answer its client
+            log.exception("cleaning up %s failed", req.rid)
+            self.scheduler.remove(req.rid)
+            self._requests.pop(req.rid, None)
+            req.state = RequestState.FINISHED
+            self.counters["finished"] += 1
+            self.counters["errors"] += 1
+            self._send(req, StreamEvent(req.rid, "", (), done=Completion(
+                id=req.rid, text="", token_ids=list(req.output_ids), finish_reason="error",
+                prompt_tokens=len(req.prompt_ids), cached_tokens=0, device_hit_tokens=0,
+                host_hit_tokens=0, computed_tokens=0, error=msg)))
+
+    # -- per request ------------------------------------------------------------------------
+    def _add(self, req: Request) -> None:
+        self._requests[req.rid] = req
+        kv_tokens = len(req.prompt_ids) + req.params.max_tokens - 1
+        if req.tenant is not None:
+            self._tenanted = True
+        try:  # merges its hints; reserves its pages (prefetch budget)
+            req.session = self.manager.arrive(req.prompt_ids, req.hints, fixed_len=req.fixed_len,
+                                              kv_tokens=kv_tokens, client=req.tenant)
+        except Exception:  # noqa: BLE001 - hints are advisory: serve the request without them
+            log.exception("the hints of %s could not be applied", req.rid)
+            req.hints = None
+            req.session = self.manager.arrive(req.prompt_ids, None, kv_tokens=kv_tokens)
+        self.scheduler.add(req)
+        if req.hints is not None:
+            self._update_fair_share()
+
+    def _apply_hints(self, h: Any, *, tenant: Optional[str] = None) -> None:
+        """Out-of-band hints (a request's own come in with ``manager.arrive``)."""
+        if tenant is not None:
+            self._tenanted = True
+        self.manager.apply_hints(h, client=tenant)
+        self._update_fair_share()
+
+    def _update_fair_share(self) -> None:
+        """``client_cap="fair"``: each active tenant's hints protect at most device pool / n
+        pages (no cap while there is one), so one tenant's flood of urgent hints cannot evict
+        the others' prefixes. Untenanted use (no API keys) is never capped."""
+        if not (self._fair_share and self._tenanted):
+            return
+        n = self.manager.tags.hints.active_clients()
+        self.manager.set_client_cap(None if n <= 1 else max(1, self.manager.device.capacity // n))
+
+    def _poll(self, req: Request) -> bool:
+        """Ask the cache whether ``req`` can run now (the first poll records its hit, pins its
+        prefix and starts a demand load); LOADING / NEEDS_LOAD keep it waiting."""
+        p = req.session.poll()
+        req.state = RequestState.WAITING if p.ready else RequestState.LOADING
+        return p.ready
+
+    def _is_ready(self, req: Request) -> bool:
+        """Status-aware readiness (the scheduler's admission rule): only requests a step has
+        already looked at; a wait on a load is recorded by the session (hidden/exposed)."""
+        return req.session.looked and self._poll(req)
+
+    def _admit(self, req: Request) -> bool:
+        try:
+            if not req.session.admit():
+                return False  # wait for running requests to free memory (no overtaking)
+        except CacheFullError:
+            self._finish(req, "error", error="not enough device KV memory for this request")
+            return True
+        self._ensure_device_capacity()
+        self.scheduler.admitted(req)
+        req.prefilled = req.kv_len = req.session.reused
+        if req.prefill_at is not None:  # re-admitted after a retraction: sampling state goes on
+            return True
+        req.prefill_at = time.monotonic()
+        import torch
+        req.generator = torch.Generator(device="cpu")
+        req.generator.manual_seed(req.params.seed if req.params.seed is not None else random.getrandbits(63))
+        stop_ids = () if req.params.ignore_eos else None
+        req.detok = self.tokenizer.stream(stop=req.params.stop, stop_token_ids=stop_ids)
+        return True
+
+    def _prefill(self) -> bool:
+        """Chunked prefill: at most ``max_prefill_tokens`` prompt tokens per step, oldest
+        admitted first, so a long prompt does not stall the running decodes for seconds."""
+        budget, did = self.config.max_prefill_tokens, False
+        det = self.config.deterministic_chunk if self.config.deterministic else None
+        for req in list(self.scheduler.running):
+            n = len(req.session.tokens)  # the prompt (after a retraction: + outputs so far)
+            if req.prefilled >= n:
+                continue
+            if budget <= 0:
+                break
+            if det:
+                # Deterministic: chunks end at multiples of ``det`` in absolute positions, so a
+                # request's prefill never depends on what else shares the step's budget; a chunk
+                # that does not fit waits for the next step (the first always runs).
+                k = min(n - req.prefilled, det - req.prefilled % det)
+                if k > budget and did:
+                    break
+            else:
+                k = min(n - req.prefilled, budget)
+            budget -= k
+            did = True
+            self._guard(req, "prefill", self._prefill_chunk, req, k)
+        return did
+
+    def _prefill_chunk(self, req: Request, k: int) -> None:
+        tokens = req.session.tokens
+        self.pool.wait_loads(req.pages)  # loads into its prefix (or into pages it reuses) landed
+        t0 = time.perf_counter()
+        logits = self.model.prefill(self.pool.device_kv, tokens[req.prefilled:req.prefilled + k],
+                                    req.pages, req.prefilled)
+        if self.config.recompute_aware:  # the recompute estimate of load-vs-recompute
+            self.manager.observe_prefill(k, time.perf_counter() - t0)
+        req.prefilled += k
+        req.kv_len = req.prefilled  # session.tokens is a prefix of prompt + outputs
+        if req.prefilled == len(tokens):
+            req.session.commit()  # the prompt joins the tree; the fixed prefix is tagged
+            if not req.output_ids:  # (a retracted request's next input is its last output)
+                self._emit(req, *self.sampler.sample(logits, [req])[0])
+
+    def _ensure_device_capacity(self) -> None:
+        """The oracle's page allocator grows; grow the device tensor to match."""
+        import torch
+
+        need, have = self.manager.device.capacity, self.pool.num_device_pages
+        if need <= have:
+            return
+        self.pool.synchronize()  # a load in flight writes into the tensor being replaced
+        kv = self.pool.device_kv
+        extra = max(need, 2 * have) - have
+        shape = kv.shape[:2] + (extra,) + kv.shape[3:]
+        self.pool.device_kv = torch.cat([kv, torch.zeros(shape, dtype=kv.dtype, device=kv.device)], 2)
+
+    def _decode(self) -> bool:
+        """One batched decode step; False if none could run (their next pages wait for a load)."""
+        running = [r for r in self.scheduler.running if r.decoding]
+        if self.manager.lazy_decode:  # each writes one KV slot: its page must be there
+            running = self._grow(running)
+            self._ensure_device_capacity()
+            if not running:
+                return False
+        # each writes the KV of its token at kv_len: its last output (and samples the next), or
+        # (replaying after a retraction to its prompt) an earlier output, its logits unused
+        n0 = [r.kv_len for r in running]
+        seqs = [(r.output_ids[pos - len(r.prompt_ids)], r.pages, pos)
+                for r, pos in zip(running, n0)]
+        sampled = [i for i, r in enumerate(running) if r.kv_len == r.seq_len]
+        # CUDA: the stream waits for every load (free); CPU: only for pages this step writes
+        # (each sequence's next slot; what it reads was waited for at its prefill)
+        if self.pool.loading:
+            self.pool.wait_loads(None if self._cuda else [r.pages[p // self.pool.page_size]
+                                                          for r, p in zip(running, n0)])
+        self.counters["decode_steps"] += 1
+        picks: dict = {}
+        try:
+            logits = self._decode_logits(seqs)
+            if len(sampled) < len(running):
+                logits = logits[sampled]
+            picks = dict(zip(sampled, self.sampler.sample(logits, [running[i] for i in sampled])))
+        except Exception:  # noqa: BLE001 - find the sequence that fails; the others go on
+            log.exception("batched decode failed; retrying its %d sequences one by one", len(seqs))
+            for i, (r, sq) in enumerate(zip(running, seqs)):
+                if i in sampled:
+                    picks[i] = self._guard(r, "decode", self._decode_one, r, sq)
+                else:
+                    self._guard(r, "decode", self._decode_logits, [sq])
+        for i, r in enumerate(running):
+            if r.state is not RequestState.RUNNING:
+                continue  # failed in the retry
+            r.kv_len += 1
+            if picks.get(i) is not None:
+                self._guard(r, "sampling", self._emit, r, *picks[i])
+        return True
+
+    def _grow(self, running: list) -> list:
+        """Lazy decode: the page of each request's next KV slot. Where growth past an optimistic
+        reserve finds no room, retract running requests, the newest admitted first (vLLM's
+        preemption order), until the others can grow. Returns those that can decode now."""
+        ok = {id(r) for r in running
+              if self._guard(r, "decode page allocation", r.session.grow, r.kv_len + 1)}
+        short = [r for r in running if id(r) not in ok and r.state is RequestState.RUNNING
+                 and r.session.needs_room]
+        while short:
+            victim = next((r for r in reversed(self.scheduler.running)
+                           if r.decoding and not r.session.full_reserve), None)
+            if victim is None:
+                break
+            self._guard(victim, "retraction", self._retract, victim)
+            ok.discard(id(victim))
+            still = []
+            for r in short:
+                if r is victim or r.state is not RequestState.RUNNING:
+                    continue
+                if self._guard(r, "decode page allocation", r.session.grow, r.kv_len + 1):
+                    ok.add(id(r))
+                elif r.state is RequestState.RUNNING and r.session.needs_room:
+                    still.append(r)
+            short = still
+        return [r for r in running if id(r) in ok and r.state is RequestState.RUNNING]
+
+    def _retract(self, req: Request) -> None:
+        """Back to waiting with what it wrote cached (session.retract); re-admitted, it is
+        prefilled from the cache and decodes on from its last output token. Deterministic mode
+        caches only its prompt (decode-written KV is not what a prefill would write) and, once
+        re-admitted, replays its outputs through decode steps (batch-invariant: the same KV
+        bits), so its reply is the one it would have written without the retraction."""
+        written = len(req.prompt_ids) if self.config.deterministic else req.kv_len
+        req.session.retract(req.prompt_ids + req.output_ids, written)
+        self.scheduler.retracted(req)
+        req.prefilled = req.kv_len = 0
+        log.debug("retracted %s after %d tokens (no room past its reserve)",
+                  req.rid, len(req.output_ids))
+
+    def _decode_logits(self, seqs: list):
+        """One decode step for ``seqs`` (each writes only its own KV slot, so re-running a
+        subset after a failure is safe). Deterministic mode: batch-invariant kernels."""
+        rows = self.config.max_batch if self.config.deterministic else None
+        return self.model.decode_batch(self.pool.device_kv, seqs, invariant_rows=rows)
+
+    def _decode_one(self, req: Request, seq) -> tuple:
+        return self.sampler.sample(self._decode_logits([seq]), [req])[0]
+
+    def _emit(self, req: Request, tok: int, lp: Any = None) -> None:
+        req.output_ids.append(tok)
+        if lp is not None:
+            req.logprobs.append(lp)
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        text = req.detok.push(tok)
+        reason = None
+        if req.detok.finished:
+            reason = "stop"
+        elif len(req.output_ids) >= req.params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            text += req.detok.finish()
+        if text or reason is None:
+            self._send(req, StreamEvent(req.rid, text, (tok,), logprobs=(lp,) if lp is not None else ()))
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _send(self, req: Request, ev: StreamEvent) -> None:
+        sink = req.sink
+        if type(sink) is LoopSink:  # collected; _flush_outbox hands them over once per step
+            self._outbox.setdefault(sink.loop, []).append((sink.queue, ev))
+            return
+        try:
+            sink(ev)
+        except Exception:  # e.g. the client's event loop is gone
+            log.debug("sink of %s failed", req.rid, exc_info=True)
+
+    def _flush_outbox(self) -> None:
+        """One ``call_soon_threadsafe`` per event loop for everything this step produced (a
+        per-token hand-off wakes the loop, and takes the GIL from this thread, once per token
+        per request)."""
+        if not self._outbox:
+            return
+        box, self._outbox = self._outbox, {}
+        for loop, items in box.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: its clients are gone
+                log.debug("event loop closed; %d stream events dropped", len(items))
+
+    def _abort(self, rid: str) -> None:
+        req = self._requests.get(rid)
+        if req is not None:
+            self._finish(req, "abort")
+
+    def _finish(self, req: Request, reason: str, error: Optional[str] = None) -> None:
+        if req.state is RequestState.FINISHED:
+            return
+        was_running = req.state is RequestState.RUNNING
+        self.scheduler.remove(req.rid)
+        self._requests.pop(req.rid, None)
+        s = req.session
+        if s is not None:  # the tree keeps what was written (not after an error); pages freed
+            written = req.kv_len if was_running else 0
+            if self.config.deterministic:  # decode-computed KV is not what a prefill would write
+                written = min(written, len(req.prompt_ids))
+            s.finish(req.prompt_ids + req.output_ids, written, cache=reason != "error")
+        req.state = RequestState.FINISHED
+        now = time.monotonic()
+        text = req.detok.text if req.detok is not None else ""
+        comp = Completion(
+            id=req.rid, text=text, token_ids=list(req.output_ids), finish_reason=reason,
+            prompt_tokens=len(req.prompt_ids), cached_tokens=s.prompt_reused if s else 0,
+            device_hit_tokens=s.device_hit if was_running else 0,
+            host_hit_tokens=s.host_hit if was_running else 0,
+            computed_tokens=len(req.prompt_ids) - s.prompt_reused if was_running else 0,
+            queue_s=(req.prefill_at or now) - req.arrival, load_wait_s=s.load_wait_s if s else 0.0,
+            ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival, error=error,
+            logprobs=list(req.logprobs) if req.params.logprobs else None)
+        c = self.counters
+        c["finished"] += 1
+        c["aborted"] += reason == "abort"
+        c["errors"] += reason == "error"
+        c["prompt_tokens"] += comp.prompt_tokens
+        c["generation_tokens"] += comp.completion_tokens
+        c["cached_tokens"] += comp.cached_tokens
+        if self.recorder is not None and reason != "abort":
+            try:
+                fixed = req.fixed_len if req.fixed_len is not None else self._inferred_fixed(req)
+                self.recorder.record(req, comp, fixed)
+            except Exception:  # a trace is diagnostics: never fail the request for it
+                log.exception("could not record request %s", req.rid)
+        self._send(req, StreamEvent(req.rid, "", (), done=comp))
+
+    def _inferred_fixed(self, req: Request) -> int:
+        """The boundary the cache tagged for this agent (0 when none is known)."""
+        h = req.hints
+        if h is None:
+            return 0
+        return self.manager.fixed_prefix_len(h.workflow, h.agent, app=h.app)
+
+    # -- stats ------------------------------------------------------------------------------
+    def _publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._published < 0.05:
+            return
+        self._published = now
+        mgr = self.manager
+        with self._lock:
+            counters = dict(self.counters)
+        self._snapshot = {
+            "model": self.model_name, "policy": self.policy.name, "page_size": self.page_size,
+            "counters": counters, "queue": self.scheduler.counts(),
+            "device_pages": {"capacity": mgr.device.capacity, "used": mgr.device.num_used,
+                             "reserved": mgr.decode_reserved},
+            "host_pages": {"capacity": mgr.host.capacity, "used": mgr.host.num_used},
+            "loads_in_flight": mgr.loads_in_flight, "cache": mgr.metrics.as_dict(),
+            "hints": mgr.tags.hints.stats(), "client_cap_pages": mgr.tags.client_cap_pages,
+        }
