@@ -33,8 +33,10 @@ ORACLES = tuple(p for p in POLICIES if is_reference(p))   # references, not cont
 
 _COUNTERS = ("requests", "hit_tokens_device", "hit_tokens_host", "hit_tokens_loading", "miss_tokens",
              "backup_pages", "dropped_pages", "demand_loads", "demand_load_pages", "prefetch_issued",
-             "prefetch_pages", "prefetch_used", "prefetch_wasted", "prefetch_stale",
+             "prefetch_pages", "prefetch_used", "prefetch_wasted", "prefetch_evicted_pages",
+             "prefetch_stale",
              "prefetch_deferred", "load_hidden_s", "load_exposed_s", "retractions")
+_BY_REASON = ("evictions", "evicted_pages", "prefetch_wasted_by")   # counters keyed by reason
 
 
 @dataclass
@@ -104,7 +106,7 @@ def metrics_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dic
     if before is None or after is None:
         return None
     out = {k: after.get(k, 0) - before.get(k, 0) for k in _COUNTERS if k in after}
-    for k in ("evictions", "evicted_pages"):
+    for k in _BY_REASON:
         a, b = after.get(k) or {}, before.get(k) or {}
         out[k] = {r: a.get(r, 0) - b.get(r, 0) for r in a if a.get(r, 0) - b.get(r, 0)}
     tot = sum(out.get(k, 0) for k in ("hit_tokens_device", "hit_tokens_host", "hit_tokens_loading",
@@ -198,8 +200,7 @@ def finish_counters(acc: Optional[dict]) -> Optional[dict]:
     if acc is None:
         return None
     base = {k: 0 for k in _COUNTERS}
-    return metrics_delta(base, {**acc, "evictions": acc.get("evictions", {}),
-                                "evicted_pages": acc.get("evicted_pages", {})})
+    return metrics_delta(base, {**acc, **{k: acc.get(k, {}) for k in _BY_REASON}})
 
 
 class ServerSet:

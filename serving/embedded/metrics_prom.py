@@ -28,10 +28,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# (tier:reason) keys of the manager's eviction counters: device evictions to make room for new
-# KV ("alloc"), a demand load ("load"), a prefetch ("prefetch") or a flush; host evictions to
-# make room for a backup.
-EVICTION_KEYS = ("device:alloc", "device:load", "device:prefetch", "device:flush", "host:backup")
+# (tier:reason) keys of the manager's eviction counters: device evictions to make room for an
+# admission ("alloc"), a decode page ("grow"), a demand load ("load"), a prefetch ("prefetch")
+# or a flush; host evictions to make room for a backup.
+EVICTION_KEYS = ("device:alloc", "device:grow", "device:load", "device:prefetch", "device:flush",
+                 "host:backup")
 
 
 class EngineCollector:

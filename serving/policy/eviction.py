@@ -169,7 +169,11 @@ class Evictor:
         parent.n_device_children -= 1
         self.device.free(pages)
         self.metrics.evicted("device:" + reason, k)
-        self.loads.mark_wasted(n.load)  # a prefetch evicted before any request read it
+        ld = n.load
+        if ld is not None and ld.kind == "prefetch" and not ld.used:
+            self.metrics.prefetch_evicted_pages += k
+            if not self._head_on_device(n, ld):
+                self.loads.mark_wasted(ld, reason)  # nothing of it is left for a request to read
         if n.host_pages is not None:
             n.set_state(HOST)
             self.book.node_tier(n, True)
@@ -179,6 +183,18 @@ class Evictor:
             self._remove_subtree(n)
         self._reindex(parent)
         return k
+
+    @staticmethod
+    def _head_on_device(n: TreeNode, ld) -> bool:
+        """Part of load ``ld`` above ``n`` is still on device (``n`` is a tail split off by a
+        partial eviction, or the deeper end of a loaded chain): a request may still read it.
+        Victims are leaves of the device tree, so what is left of a chain is above ``n``."""
+        p = n.parent
+        while p is not None and p.load is ld:
+            if p.device_pages is not None:
+                return True
+            p = p.parent
+        return False
 
     def flush(self) -> tuple[int, int]:
         """Drop every unlocked cached prefix, device then host, as SGLang's ``/flush_cache``.

@@ -30,8 +30,10 @@ Hidden / exposed accounting (``metrics.load_hidden_s`` / ``load_exposed_s``): a 
 exposed from its start to its landing; a prefetch is credited when a request first reads it
 (:meth:`credit_use`): exposed = ``ready - first attempt`` (at most its transfer), hidden = the
 rest, where the first attempt is the earliest :meth:`note_wait` (a request skipped because the
-prefetch was still in flight), else the use itself. Wasted: a prefetch evicted or whose
-workflow ended before any use (:meth:`mark_wasted`, :meth:`abandon`).
+prefetch was still in flight), else the use itself. Wasted: a prefetch wholly evicted or whose
+workflow ended before any use (:meth:`mark_wasted`, :meth:`abandon`), counted by what took it
+(``metrics.prefetch_wasted_by``); a tail evicted while its head stays readable is not wasted
+(its pages count in ``prefetch_evicted_pages``; the store decides, :mod:`.eviction`).
 
 Invariant L1: ``inflight_prefetch`` = prefetch loads started and not done.
 """
@@ -260,15 +262,17 @@ class LoadTracker:
         m.load_hidden_s += transfer - exposed
         m.load_exposed_s += exposed
 
-    def mark_wasted(self, ld: Load | None) -> None:
-        """``ld``'s pages left the device before any request read it."""
+    def mark_wasted(self, ld: Load | None, reason: str) -> None:
+        """``ld``'s pages left the device before any request read it (``reason``: what evicted
+        them, or ``"workflow_end"``)."""
         if ld is None or ld.kind != "prefetch" or ld.used or ld.wasted:
             return
         ld.wasted = True
         self.metrics.prefetch_wasted += 1
+        self.metrics.prefetch_wasted_by[reason] += 1
         if self.by_tag.get(ld.tag) is ld:
             del self.by_tag[ld.tag]
 
     def abandon(self, tag: Tag) -> None:
         """``tag``'s workflow ended: its unused prefetch was fetched for nothing."""
-        self.mark_wasted(self.by_tag.pop(tag, None))
+        self.mark_wasted(self.by_tag.pop(tag, None), "workflow_end")

@@ -32,6 +32,12 @@ class CacheMetrics:
     prefetch_pages: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0          # evicted from device, or its workflow released, before any use
+    # the wasted, by what evicted them (an eviction reason: "alloc", "grow", "load", "prefetch",
+    # "flush") or "workflow_end"
+    prefetch_wasted_by: Counter = field(default_factory=Counter)
+    # pages of unread prefetches evicted; a tail evicted while its head stays on device counts
+    # here, not in prefetch_wasted (the head may still be read)
+    prefetch_evicted_pages: int = 0
     prefetch_stale: int = 0           # planned but dropped because a newer hint changed plans
     prefetch_deferred: int = 0        # planned but not started (in-flight limit / no room)
     prefetch_budget_skips: int = 0    # not started: no room beyond the reserve (per attempt)
@@ -63,6 +69,7 @@ class CacheMetrics:
         out = {k: v for k, v in self.__dict__.items() if not isinstance(v, Counter)}
         out["evictions"] = dict(self.evictions)
         out["evicted_pages"] = dict(self.evicted_pages)
+        out["prefetch_wasted_by"] = dict(self.prefetch_wasted_by)
         out["device_hit_rate"] = self.device_hit_rate
         out["hit_rate"] = self.hit_rate
         hidden, exposed = self.load_hidden_s, self.load_exposed_s

@@ -325,10 +325,10 @@ class RequestSession:
                 self.needs_room = True
                 return False
         self.needs_room = False
-        new = store.allocate(k, partial=True)
+        new = store.allocate(k, partial=True, reason="grow")
         if new is None:
             self._mgr.unpin_waiting()  # waiting sessions' pins give way to running requests
-            new = store.allocate(k, partial=True)
+            new = store.allocate(k, partial=True, reason="grow")
         if new is None:
             if store.loads.in_flight:
                 self._mgr.metrics.decode_page_waits += 1

@@ -256,11 +256,13 @@ class TieredStore(Evictor, Transfers):
             n = n.parent
 
     # ================================================================ allocation
-    def allocate(self, n_pages: int, *, partial: bool | None = None) -> list[int] | None:
+    def allocate(self, n_pages: int, *, partial: bool | None = None,
+                 reason: str = "alloc") -> list[int] | None:
         """``n_pages`` device pages, evicting by the policy's order when short (None: cannot).
         ``partial``: take only the tail pages needed from the last victim (None: the store's
-        ``partial_eviction``), e.g. one decode page must not cost a whole prefix."""
-        return self._alloc_device(n_pages, "alloc", partial=partial)
+        ``partial_eviction``), e.g. one decode page must not cost a whole prefix. ``reason``
+        labels what it evicts in ``metrics``: ``"alloc"`` (admission), ``"grow"`` (decode)."""
+        return self._alloc_device(n_pages, reason, partial=partial)
 
     def free(self, pages: Sequence[int]) -> None:
         self.device.free(pages)

@@ -99,7 +99,7 @@ class KVFlowLoads:
             return
         for n in ld.nodes:
             self._kv_landed.pop(n.id, None)
-        self.kv_loads.mark_wasted(ld)
+        self.kv_loads.mark_wasted(ld, "alloc")  # SGLang evicts when it allocates
 
     # ------------------------------------------------------------------ loads
     def check_hicache_events(self) -> None:

@@ -43,7 +43,8 @@ def _run(tiny16, lazy: bool):
             return mid, done, reserved[0]
 
         mid_device, done, reserved = asyncio.run(a_call())
-        evicted = eng.call(lambda e: e.manager.metrics.evicted_pages.get("device:alloc", 0))
+        evicted = eng.call(lambda e: sum(e.manager.metrics.evicted_pages.get(f"device:{r}", 0)
+                                         for r in ("alloc", "grow")))   # admissions, decode pages
         assert eng.call(lambda e: e.manager.check_invariants() or True)
         return fixed, mid_device, evicted, done, reserved
 

@@ -143,6 +143,7 @@ def test_prefetch_wasted_when_evicted_unused_or_released_not_when_stale():
     assert m.metrics.prefetch_wasted == 0
     m.release_workflow("w")                        # A will never run: wasted
     assert m.metrics.prefetch_wasted == 1
+    assert dict(m.metrics.prefetch_wasted_by) == {"workflow_end": 1}
     assert m.match([11] * 3).device_len == 3       # B used
     m.release_workflow("v")                        # used before release: not wasted
     assert m.metrics.prefetch_wasted == 1 and m.metrics.prefetch_used == 1
@@ -306,3 +307,23 @@ def test_the_reserve_counts_what_admission_takes(align, prompt, cached):
     assert reserve == len(s.pages) - s.own_from + s.decode_reserved
     with pytest.raises(ValueError):
         make_manager("kvflow", reuse_align=0)
+
+
+def test_a_prefetch_is_wasted_only_when_nothing_of_it_is_left_to_read():
+    """A partial eviction takes a prefetch's tail: its pages count as evicted unread, but the
+    head can still be read, so it is not wasted; when the head goes too, it is, once, under
+    the reason that took the last of it."""
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, partial_eviction=True)
+    host_only(m, [10] * 6, "w", "A")
+    m.update_hints("w", {"A": 1})
+    assert m.metrics.prefetch_issued == 1 and m.agent_residency("w", "A") == "device"
+    held = m.allocate(m.device.num_free + 2)       # the tail's 2 pages
+    assert m.metrics.prefetch_evicted_pages == 2 and m.metrics.prefetch_wasted == 0
+    assert m.peek([10] * 6 + [0]).device_len == 4  # the head is still readable
+    m.free(held)
+    held = m.store.allocate(m.device.num_free + 4, reason="grow")   # and then the head
+    assert m.metrics.prefetch_evicted_pages == 6
+    assert m.metrics.prefetch_wasted == 1 and dict(m.metrics.prefetch_wasted_by) == {"grow": 1}
+    assert m.metrics.evicted_pages["device:grow"] == 4
+    m.free(held)
+    m.check_invariants()

@@ -236,3 +236,4 @@ def test_prefetch_heavy_traces_keep_invariants(rnd, n_ops, ps, device, host, lin
     trace.finish()
     m = trace.m
     assert m.metrics.prefetch_used + m.metrics.prefetch_wasted <= m.metrics.prefetch_issued
+    assert sum(m.metrics.prefetch_wasted_by.values()) == m.metrics.prefetch_wasted

@@ -61,6 +61,11 @@ def test_the_unwritten_reserve_holds_the_next_agents_prefetch(lazy):
         p = m.peek(b + [8])
         assert (p.device_len, p.cached_len) == (2, 4)
         assert m.metrics.prefetch_issued == 1
+        # what evicted B's tail is labelled: a decode page's growth, not an admission
+        # the growth's evictions are labelled as such; B's head stays to be read: not wasted
+        assert m.metrics.evicted_pages["device:grow"] == 2
+        assert m.metrics.prefetch_evicted_pages == 2 and m.metrics.prefetch_wasted == 0
+        assert m.match(b + [8]).device_len == 2 and m.metrics.prefetch_used == 1
     a.finish(a.tokens + list(range(6)), 11)
     m.check_invariants()
 

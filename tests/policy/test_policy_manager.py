@@ -292,6 +292,7 @@ def test_stale_prefetch_plan_dropped_and_wasted_counted():
     m.update_hints("w", {loaded: 6}, now=2.0)
     m.allocate(m.device.num_free + m.evictable_device_pages)
     assert m.metrics.prefetch_wasted == 1 and m.metrics.prefetch_used == 0
+    assert dict(m.metrics.prefetch_wasted_by) == {"alloc": 1}
 
 
 def test_exposed_load_time_when_used_before_ready():

@@ -194,13 +194,15 @@ def test_prefetch_reserve_stops_thrash_when_running_requests_overflow_the_pool(a
     b = fixed.run()
     ma, mb = thrash.mgr.metrics, fixed.mgr.metrics
     if admission == "fcfs":
-        # without the reserve almost every prefetch is evicted unused (69 of 69 today)
-        assert ma.prefetch_wasted > 50 and ma.prefetch_wasted > 0.8 * ma.prefetch_issued
+        # without the reserve almost every prefetched page is evicted unread (496 of 549
+        # today; 54 of the 69 prefetches wholly, the others keep a head)
+        assert ma.prefetch_evicted_pages > 0.8 * ma.prefetch_pages
+        assert ma.prefetch_wasted > 40 and ma.prefetch_wasted > 0.7 * ma.prefetch_issued
         assert mb.prefetch_issued < 0.4 * ma.prefetch_issued
         assert mb.prefetch_wasted < 0.45 * ma.prefetch_wasted
     else:
         # oldest workflow first: the next call of a running workflow is admitted soon, so its
-        # prefetch is used; without the reserve half are still evicted (36 of 78 today)
+        # prefetch is used; without the reserve a third are still evicted whole (26 of 78 today)
         assert ma.prefetch_wasted > 0.3 * ma.prefetch_issued
         assert mb.prefetch_used > 0.8 * mb.prefetch_issued and mb.prefetch_wasted < 0.2 * ma.prefetch_wasted
     assert b.latency_s <= 1.01 * a.latency_s
