@@ -71,6 +71,9 @@ class TagBook:
         self.wf_tags: dict[str, set] = {}
         self.near: set = set()               # tags with effective STE <= lookahead
         self.host_tags: set = set()          # tags whose node is host-only (when tracked)
+        # bumped when a node stops being host-only (loaded, or fresh KV adopted): the only
+        # way a host-only path gets shorter (the prefetcher's blocked-plan memo keys on it)
+        self.host_shrinks = 0
         self.demoted: set = set()            # tags over their client's device cap
         self._tag_seq: dict = {}             # tag -> order of first tagging (deterministic plans)
         self._seq = itertools.count()
@@ -242,6 +245,8 @@ class TagBook:
     # ------------------------------------------------------------------ tree events
     def node_tier(self, node, on_host: bool) -> None:
         """``node`` became host-only (or readable again): keep ``host_tags`` in step."""
+        if not on_host:
+            self.host_shrinks += 1
         tags = self.index.tags_at(node)
         if tags:
             if on_host:

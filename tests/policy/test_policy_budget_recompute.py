@@ -327,3 +327,28 @@ def test_a_prefetch_is_wasted_only_when_nothing_of_it_is_left_to_read():
     assert m.metrics.evicted_pages["device:grow"] == 4
     m.free(held)
     m.check_invariants()
+
+
+def test_a_blocked_plan_is_not_walked_again_until_room_or_candidates_change(monkeypatch):
+    """A prefetch that cannot fit is planned once; decode-like churn of the free count below
+    what any start needs does not re-plan (the candidate walk ran on every step), an STE
+    change does, and so does room for a partial head (min_partial_pages = 4)."""
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64)
+    host_only(m, [10] * 6, "w", "A")
+    held = m.allocate(16)                          # running requests hold the whole pool
+    walks = []
+    real = m.prefetcher.candidates
+    monkeypatch.setattr(m.prefetcher, "candidates", lambda *a, **k: walks.append(1) or real(*a, **k))
+    m.update_hints("w", {"A": 1})
+    assert len(walks) == 1 and m.metrics.prefetch_issued == 0
+    for k in range(3):                             # 1, 2, 3 pages free: no start needs so few
+        m.free(held[k:k + 1])
+        m.tick()
+    assert len(walks) == 1
+    m.update_hints("w", {"A": 0})                  # the candidate's STE changed: plan again
+    assert len(walks) == 2 and m.metrics.prefetch_issued == 0
+    m.free(held[3:4])                              # 4 free: a partial head fits
+    m.tick()
+    assert len(walks) == 3 and m.metrics.prefetch_issued == 1 and m.metrics.prefetch_partial == 1
+    m.free(held[4:])
+    m.check_invariants()

@@ -12,6 +12,7 @@ goes before any tagged prefix of finite STE.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -83,6 +84,24 @@ def agent_prompt(wf, agent, ps, body):
     return system + own, len(system + own)
 
 
+BLOCKED_CHECKS = [0]   # how often a trace saw the prefetcher skip a plan as still blocked
+
+
+def check_blocked_plan(m):
+    """Reference for ``Prefetcher._still_blocked``: whenever it would skip the plan, no fresh
+    candidate passes the budget check (neither whole nor as a partial head)."""
+    pf, store = m.prefetcher, m.store
+    tags = m.tags.prefetch_candidates()
+    if not pf._still_blocked(tags):
+        return
+    BLOCKED_CHECKS[0] += 1
+    avail = store.free_pages() - pf.reserved_pages
+    for c in pf.candidates(m.clock.t, tags):
+        ev, above = store.evictable_pages(), store.evictable_above(c.ste)
+        assert not (avail >= c.pages or (avail + ev >= c.pages and avail + above >= c.pages)), c
+        assert avail + min(ev, above) < pf.min_partial_pages or not store.partial_prefetch, c
+
+
 class Trace:
     """Applies operations the way an engine and a hint source would, checking after each."""
 
@@ -134,6 +153,7 @@ class Trace:
             b = m.infer_fixed_prefix(o[1], o[2], fixed + o[3])
             assert b % ps == 0
         m.check_invariants()
+        check_blocked_plan(m)
         if self.policy != "oracle":
             assert m.device.num_used <= self.device
         assert m.host.num_used <= m.host.capacity
@@ -237,3 +257,15 @@ def test_prefetch_heavy_traces_keep_invariants(rnd, n_ops, ps, device, host, lin
     m = trace.m
     assert m.metrics.prefetch_used + m.metrics.prefetch_wasted <= m.metrics.prefetch_issued
     assert sum(m.metrics.prefetch_wasted_by.values()) == m.metrics.prefetch_wasted
+
+
+def test_blocked_plan_skips_are_checked_against_a_fresh_plan():
+    """Seeded kvflow traces where the prefetcher skips plans as still blocked; every skip is
+    checked against fresh candidates (``check_blocked_plan`` in ``Trace.apply``)."""
+    before = BLOCKED_CHECKS[0]
+    for seed in range(10):
+        rnd = random.Random(seed)
+        trace = Trace("kvflow", 1, 12, 30, 2.0, 2)
+        for _ in range(200):
+            trace.apply(random_op(rnd))
+    assert BLOCKED_CHECKS[0] - before > 50
