@@ -165,12 +165,15 @@ class Prefetcher:
         self.planner = PrefetchPlanner(lookahead=book.lookahead, secs_per_page=loads.secs_per_page)
         self.pending: set = set()     # planned but not started (retried next time)
         self._held: dict = {}         # tag -> waiting requests of that agent
+        self._held_ver = 0            # bumped by hold / unhold
         self._blocked = None          # (what the last idle plan saw, least STE, least need)
 
     def hold(self, tag) -> None:
         self._held[tag] = self._held.get(tag, 0) + 1
+        self._held_ver += 1
 
     def unhold(self, tag) -> None:
+        self._held_ver += 1
         n = self._held.get(tag, 0) - 1
         if n > 0:
             self._held[tag] = n
@@ -217,18 +220,19 @@ class Prefetcher:
         if t.state_ver is None:
             return None
         return (t.state_ver, len(book.near), len(book.host_tags), self.loads.inflight_prefetch,
-                t.free_pages(), t.evictable_pages(), book.lookahead, len(self._held))
+                t.free_pages(), t.evictable_pages(), book.lookahead, self._held_ver)
 
     def _blocked_key(self, tags: list) -> tuple:
         book = self.book
-        return (tags, book.host_shrinks, book.index.ste_ver, self.loads.inflight_prefetch,
-                book.lookahead, len(self._held))
+        return (tags, book.host_shrinks, book.host_ste_changes, self.loads.inflight_prefetch,
+                book.lookahead, self._held_ver)
 
     def _still_blocked(self, tags: list) -> bool:
-        """Since the last plan that started nothing, the candidates are the same tags with the
-        same STEs and no shorter host paths (``host_shrinks``; a longer one only needs more),
-        and the pool still has less room than any start needs: the least of the candidates'
-        host pages and a partial head's ``min_partial_pages``. Free + evictable above the
+        """Since the last plan that started nothing, the candidates are the same tags (none
+        held or released since), with the same STEs (``book.host_ste_changes``) and no shorter
+        host paths (``book.host_shrinks``; a longer one only needs more), and the pool still
+        has less room than any start needs: the least of the candidates' host pages and a
+        partial head's ``min_partial_pages``. Free + evictable above the
         least STE - reserve bounds every candidate's budget, so nothing could start. (A
         running decode changes the free and evictable counts on every step, which the exact
         ``_signature`` cannot see past; with 143 blocked candidates the walk cost ~0.6 ms a

@@ -41,7 +41,6 @@ class PriorityIndex:
         self._tag_ste: dict[Tag, float] = {}
         self._node_tags: dict[Node, set] = {}
         self._tags_below: dict[Node, int] = {}  # tags in the subtree, any STE (incl. inf)
-        self.ste_ver = 0                        # bumped whenever a tag's STE changes
 
     # -- reads -----------------------------------------------------------------------------
     def priority(self, node: Node) -> float:
@@ -112,7 +111,6 @@ class PriorityIndex:
         if old == ste:
             return False
         self._tag_ste[tag] = ste
-        self.ste_ver += 1
         self._propagate(node, old, ste)
         return True
 

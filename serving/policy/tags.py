@@ -71,9 +71,11 @@ class TagBook:
         self.wf_tags: dict[str, set] = {}
         self.near: set = set()               # tags with effective STE <= lookahead
         self.host_tags: set = set()          # tags whose node is host-only (when tracked)
-        # bumped when a node stops being host-only (loaded, or fresh KV adopted): the only
-        # way a host-only path gets shorter (the prefetcher's blocked-plan memo keys on it)
+        # what the prefetcher's blocked-plan memo keys on: nodes that stopped being host-only
+        # (loaded, or fresh KV adopted: the only way a host-only path gets shorter), and STE
+        # changes of host-only tags (the prefetch candidates' urgency and budget)
         self.host_shrinks = 0
+        self.host_ste_changes = 0
         self.demoted: set = set()            # tags over their client's device cap
         self._tag_seq: dict = {}             # tag -> order of first tagging (deterministic plans)
         self._seq = itertools.count()
@@ -188,13 +190,14 @@ class TagBook:
             # Hot path (a hint per request): the workflow is live, so the effective STE is
             # the raw one unless a client cap demoted the tag.
             records, demoted, near, look = self.records, self.demoted, self.near, self.lookahead
-            set_ste = self.index.set_ste
+            set_ste, host = self.index.set_ste, self.host_tags
             for a, v in changed.items():
                 tag = (wf, a)
                 if tag in records:
                     if tag in demoted:
                         v = INF
-                    set_ste(tag, v)
+                    if set_ste(tag, v) and tag in host:
+                        self.host_ste_changes += 1
                     if v <= look:
                         near.add(tag)
                     else:
@@ -231,7 +234,8 @@ class TagBook:
 
     def refresh(self, tag: Tag) -> None:
         v = self.effective_ste(tag)
-        self.index.set_ste(tag, v)
+        if self.index.set_ste(tag, v) and tag in self.host_tags:
+            self.host_ste_changes += 1
         if v <= self.lookahead:
             self.near.add(tag)
         else:
