@@ -8,7 +8,10 @@ scrape never waits for a model step. Names (all prefixed ``kvflow_``):
   was found when its request was first matched (miss = recomputed);
 - ``evictions_total{tier,reason}``, ``evicted_pages_total{tier,reason}``, ``backup_pages_total``,
   ``dropped_pages_total``;
-- ``prefetch_total{outcome=issued|used|wasted|stale|deferred}``, ``demand_loads_total``;
+- ``prefetch_total{outcome=issued|used|wasted|stale|deferred}``, ``prefetch_wasted_total{reason=
+  alloc|grow|load|prefetch|flush|workflow_end}`` (what took each wasted one),
+  ``prefetch_evicted_pages_total`` (unread prefetched pages evicted, wasted or a tail),
+  ``demand_loads_total``;
 - ``load_seconds_total{kind=hidden|exposed}``: load time overlapped with compute vs waited for;
 - ``queue_depth{state=waiting|loading|running}``, ``loads_in_flight``,
   ``pool_pages{tier,kind=capacity|used|reserved}`` (reserved: running requests' decode pages
@@ -33,6 +36,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # or a flush; host evictions to make room for a backup.
 EVICTION_KEYS = ("device:alloc", "device:grow", "device:load", "device:prefetch", "device:flush",
                  "host:backup")
+WASTE_REASONS = ("alloc", "grow", "load", "prefetch", "flush", "workflow_end")
 
 
 class EngineCollector:
@@ -84,6 +88,12 @@ class EngineCollector:
         yield counter("dropped_pages", "Device pages evicted with no host copy.", m["dropped_pages"])
         yield counter("prefetch", "Prefetches, by outcome.", labels=["outcome"], samples=[
             ([k], m["prefetch_" + k]) for k in ("issued", "used", "wasted", "stale", "deferred")])
+        wasted_by = {**dict.fromkeys(WASTE_REASONS, 0), **m.get("prefetch_wasted_by", {})}
+        yield counter("prefetch_wasted", "Prefetches evicted (or their workflow ended) before any "
+                      "use, by what took them.", labels=["reason"],
+                      samples=[([r], v) for r, v in sorted(wasted_by.items())])
+        yield counter("prefetch_evicted_pages", "Prefetched pages evicted unread (a whole "
+                      "prefetch, or a tail whose head stayed).", m.get("prefetch_evicted_pages", 0))
         yield counter("demand_loads", "Host->device loads started on demand.", m["demand_loads"])
         yield counter("retractions", "Running requests sent back to wait: no room to decode past "
                       "their optimistic reserve (--decode-reserve).", m.get("retractions", 0))

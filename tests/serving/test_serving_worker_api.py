@@ -72,3 +72,5 @@ def test_labelled_metric_families_have_the_same_series_from_the_first_scrape(ser
             return sorted(re.findall(r"^(kvflow_\w+\{[^}]*\})", text, re.M))
         assert series(first) == series(later)
         assert 'kvflow_evictions_total{reason="alloc",tier="device"}' in first
+        assert 'kvflow_evictions_total{reason="grow",tier="device"}' in first
+        assert 'kvflow_prefetch_wasted_total{reason="workflow_end"} 0.0' in first
