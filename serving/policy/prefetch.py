@@ -232,11 +232,11 @@ class Prefetcher:
         held or released since), with the same STEs (``book.host_ste_changes``) and no shorter
         host paths (``book.host_shrinks``; a longer one only needs more), and the pool still
         has less room than any start needs: the least of the candidates' host pages and a
-        partial head's ``min_partial_pages``. Free + evictable above the
-        least STE - reserve bounds every candidate's budget, so nothing could start. (A
-        running decode changes the free and evictable counts on every step, which the exact
-        ``_signature`` cannot see past; with 143 blocked candidates the walk cost ~0.6 ms a
-        step at batch 32.) Counters per plan (budget skips, deferrals) count the plans made."""
+        partial head's ``min_partial_pages``. Free + evictable above the least STE - reserve
+        bounds every candidate's budget, so nothing could start. (A running decode changes the
+        free and evictable counts on every step, which the exact ``_signature`` cannot see
+        past; with 143 blocked candidates the walk cost ~0.6 ms a step at batch 32.) Counters
+        per plan (budget skips, deferrals) count the plans made."""
         b = self._blocked
         if b is None or b[0] != self._blocked_key(tags):
             return False

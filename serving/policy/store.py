@@ -311,8 +311,10 @@ class TieredStore(Evictor, Transfers):
             mp = m // ps
             given = device_pages[pi:pi + mp]
             if child.state is HOST:
-                # Fresh KV for an evicted run: adopt it, keep the host copy.
+                # Fresh KV for an evicted run: adopt it, keep the host copy. It is no load's
+                # any more (a read credits no prefetch; an eviction wastes none).
                 child.device_pages = list(given)
+                child.load = None
                 child.set_state(DEVICE)
                 self.book.node_tier(child, False)
                 node.n_device_children += 1

@@ -352,3 +352,23 @@ def test_a_blocked_plan_is_not_walked_again_until_room_or_candidates_change(monk
     assert len(walks) == 3 and m.metrics.prefetch_issued == 1 and m.metrics.prefetch_partial == 1
     m.free(held[4:])
     m.check_invariants()
+
+
+def test_recomputed_kv_adopted_for_a_prefetched_tail_belongs_to_no_load():
+    """A partial eviction sends a prefetch's tail back to host; a request that recomputed it
+    inserts fresh KV, which the tree adopts: that node is no load's any more, so evicting it
+    again is not an unread prefetched page (and reading it would credit no prefetch)."""
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, partial_eviction=True)
+    tokens = [10] * 6
+    host_only(m, tokens, "w", "A")
+    m.update_hints("w", {"A": 1})
+    held = m.allocate(m.device.num_free + 2)       # the prefetch's 2-page tail goes back to host
+    m.free(held)
+    assert m.metrics.prefetch_evicted_pages == 2
+    m.insert(tokens, m.allocate(6))                # recomputed: the tail is adopted
+    (head, tail), _ = m.tree.match(tokens)
+    assert head.load is not None and tail.load is None and tail.state.name == "DEVICE"
+    m.update_hints("w", {"A": 5})
+    m.allocate(m.device.num_free + m.evictable_device_pages)   # everything goes
+    assert m.metrics.prefetch_evicted_pages == 2 + 4 and m.metrics.prefetch_wasted == 1
+    m.check_invariants()
