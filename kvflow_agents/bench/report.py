@@ -299,6 +299,15 @@ def _range(xs: Sequence[Optional[float]], kind: str) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
+def _wasted(server: Optional[dict]) -> str:
+    """``15 (alloc 7, grow 4, workflow_end 4)``: wasted prefetches by what took them."""
+    if not server or server.get("prefetch_wasted") is None:
+        return "-"
+    by = sorted((server.get("prefetch_wasted_by") or {}).items(), key=lambda kv: (-kv[1], kv[0]))
+    causes = ", ".join(f"{k} {v}" for k, v in by if v)
+    return f"{server['prefetch_wasted']}" + (f" ({causes})" if causes else "")
+
+
 def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, list[str]]]:
     """The table's rows. Narrow (``wide=False``): short names, one value per cell, so the table
     fits 80 columns with four policies; wide: every row."""
@@ -376,6 +385,8 @@ def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, 
             if r.server else "-" for r in results]),
         ("load hidden fraction", s("load_hidden_fraction", "%")),
         ("retractions (no room to decode)", s("retractions", "int")),
+        ("prefetch wasted (what took it)", [_wasted(r.server) for r in results]),
+        ("prefetched pages evicted unread", s("prefetch_evicted_pages", "int")),
         ("prompt / output tokens", [f"{r.workload.get('prompt_tokens')} / {r.workload.get('completion_tokens')}"
                                     for r in results]),
         ("speedup vs lru / hicache (mean)", [

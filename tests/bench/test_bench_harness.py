@@ -269,6 +269,11 @@ def test_achievable_saving_pairs_trials_and_reports_the_spread():
     d = metrics_delta(before, after)
     assert d["device_rate"] == pytest.approx(0.75) and d["load_hidden_fraction"] == pytest.approx(0.75)
     assert d["evictions"] == {"device:alloc": 2}
+    # wasted prefetches by cause: deltas like the evictions, shown in the wide table
+    d = metrics_delta({**before, "prefetch_wasted": 1, "prefetch_wasted_by": {"alloc": 1}},
+                      {**after, "prefetch_wasted": 4, "prefetch_wasted_by": {"alloc": 2, "grow": 2}})
+    assert d["prefetch_wasted"] == 3 and d["prefetch_wasted_by"] == {"alloc": 1, "grow": 2}
+    assert report._wasted(d) == "3 (grow 2, alloc 1)" and report._wasted(None) == "-"
     assert metrics_delta(None, after) is None
     assert parse_policies("lru, kvflow") == ["lru", "kvflow"]
     assert parse_policies("kvflow,oracle-pool") == ["kvflow", "oracle-pool"]
