@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import operator
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, TypedDict
 
@@ -61,8 +62,14 @@ def test_the_gateway_sees_first_class_workers(cluster):
     assert [m["id"] for m in models] == [MODEL]  # not "unknown": /model_info answered
     info = httpx.get(cluster.worker_urls[0] + "/server_info").json()
     assert info["served_model_name"] == MODEL and info["instance_id"] == "w0"
-    loads = httpx.get(cluster.url + "/get_loads").json()["loads"]
-    # polled every few seconds (one worker may not be in yet): real capacity, not -1
+    # the gateway polls its workers' loads every few seconds: on a busy box its first poll may
+    # not have answered yet (an empty list); wait for it (one worker may not be in yet)
+    deadline, loads = time.monotonic() + 60, []
+    while not loads and time.monotonic() < deadline:
+        loads = httpx.get(cluster.url + "/get_loads").json()["loads"]
+        if not loads:
+            time.sleep(0.5)
+    # real capacity, not -1
     assert loads and all(ld["max_total_num_tokens"] == 4096 and ld["max_running_requests"] == 16 for ld in loads)
     em = httpx.get(cluster.url + "/engine_metrics")  # aggregates every worker's /metrics
     assert em.status_code == 200 and "kvflow_hints_total" in em.text and "kvflow_evictions_total" in em.text
