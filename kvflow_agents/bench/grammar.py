@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 SEARCH_TOOL = {"type": "function", "function": {
     "name": "search", "description": "Search the corpus",

@@ -173,6 +173,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 report.write_json(doc, json_out)
                 console.print(f"[dim]JSON written to {json_out}[/]")
         if plot_out:
-            report.plot(results, plot_out, title=title)
+            from kvflow_agents.bench.report_plot import plot
+
+            plot(results, plot_out, title=title)
         if any(r.workload.get("errors") for r in results):
             raise typer.Exit(1)

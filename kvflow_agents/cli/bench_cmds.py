@@ -117,7 +117,9 @@ def _emit(console, doc: dict, results, *, title: str, targets, json_path: Option
             report.write_json(doc, json_path)
             console.print(f"[dim]JSON written to {json_path}[/]")
     if plot_path:
-        report.plot(results, plot_path, title=title)
+        from kvflow_agents.bench.report_plot import plot
+
+        plot(results, plot_path, title=title)
         if json_path != "-":
             console.print(f"[dim]plot written to {plot_path}[/]")
 

@@ -102,6 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     from kvflow_agents.bench import report
+    from kvflow_agents.bench.report_plot import plot
     from kvflow_agents.bench.runner import run_workflow_bench
     from kvflow_agents.bench.sglang_engine import (SGLangLaunch, SGLangServerConfig,
                                                    model_kv_bytes_per_token)
@@ -162,7 +163,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             run["ratios"] = report.ratios(results)
             run["wall_s"] = run.get("wall_s", 0.0) + time.perf_counter() - t0
             flush()
-            report.plot(results, str(out / f"gpu_check_{fixed}.png"),
+            plot(results, str(out / f"gpu_check_{fixed}.png"),
                         title=f"SGLang 0.5.23 on {doc.get('gpu', args.device)}: {args.agents}-agent "
                               f"cycle, {fixed}-token prompts, {shape} shape")
             print(report.plain_table(results), flush=True)
