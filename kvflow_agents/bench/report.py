@@ -483,9 +483,8 @@ def write_json(doc: dict, path: str) -> None:
 
 
 def results_from_json(doc: dict) -> list[PolicyResult]:
-    """The :class:`PolicyResult` list of a ``--json`` file (to re-render or compare runs)."""
-    return [PolicyResult(name, p["workload"], p.get("server"), p.get("serve_argv", []),
-                         p.get("startup_s", 0.0)) for name, p in doc["policies"].items()]
+    """The :class:`PolicyResult` list of a ``--json`` file (:func:`from_json`'s results)."""
+    return from_json(doc)[1]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -495,9 +494,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for path in (argv if argv is not None else sys.argv[1:]):
         with open(path) as f:
             doc = json.load(f)
-        res = results_from_json(doc)
+        _, res, targets = from_json(doc)
         print(plain_table(res))
-        targets = [Target(**t) for t in doc.get("target_specs") or []]
         lines = target_lines(res, targets) if targets else [
             f"target {t['target']}: {t['measured']:.2f} (p50) -> {'met' if t['met'] else 'MISSED'}"
             for t in doc.get("targets") or [] if t.get("measured") is not None]

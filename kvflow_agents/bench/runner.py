@@ -34,8 +34,7 @@ ORACLES = tuple(p for p in POLICIES if is_reference(p))   # references, not cont
 _COUNTERS = ("requests", "hit_tokens_device", "hit_tokens_host", "hit_tokens_loading", "miss_tokens",
              "backup_pages", "dropped_pages", "demand_loads", "demand_load_pages", "prefetch_issued",
              "prefetch_pages", "prefetch_used", "prefetch_wasted", "prefetch_evicted_pages",
-             "prefetch_stale",
-             "prefetch_deferred", "load_hidden_s", "load_exposed_s", "retractions")
+             "prefetch_stale", "prefetch_deferred", "load_hidden_s", "load_exposed_s", "retractions")
 _BY_REASON = ("evictions", "evicted_pages", "prefetch_wasted_by")   # counters keyed by reason
 
 
