@@ -22,10 +22,10 @@ the policy core's ``KVTransferBackend``) and a :class:`~kvflow_agents.serving.po
 
 Threading invariants:
 - exactly one engine thread does all model work and is the only caller of the cache manager
-  (on 2 CPU cores a second compute thread only slows decode down); on CPU, host->device loads
+  (on 2 CPU cores a second compute thread only slows decode down); on CPU, loads and backups
   are copied by the pool's one copy thread (a GPU's copy engine) when torch leaves a core free
-  (``torch_threads``), else inline, and a forward waits only for loads into the pages it reads
-  or writes (``pool.wait_loads``);
+  (``torch_threads``), else inline, and a forward waits only for the copies touching the pages
+  it reads or writes (``pool.wait_copies``);
 - other threads talk to it through a command queue: :meth:`submit`, :meth:`abort`,
   :meth:`update_hints`, :meth:`call`; results come back through a per-request sink called on
   the engine thread (asyncio users get them via ``loop.call_soon_threadsafe``);

@@ -321,7 +321,7 @@ class EngineLoop:
 
     def _prefill_chunk(self, req: Request, k: int) -> None:
         tokens = req.session.tokens
-        self.pool.wait_loads(req.pages)  # loads into its prefix (or into pages it reuses) landed
+        self.pool.wait_copies(req.pages)  # loads into its prefix landed, backups out of reused pages read
         t0 = time.perf_counter()
         logits = self.model.prefill(self.pool.device_kv, tokens[req.prefilled:req.prefilled + k],
                                     req.pages, req.prefilled)
@@ -362,9 +362,10 @@ class EngineLoop:
                 for r, pos in zip(running, n0)]
         sampled = [i for i, r in enumerate(running) if r.kv_len == r.seq_len]
         # CUDA: the stream waits for every load (free); CPU: only for pages this step writes
-        # (each sequence's next slot; what it reads was waited for at its prefill)
-        if self.pool.loading:
-            self.pool.wait_loads(None if self._cuda else [r.pages[p // self.pool.page_size]
+        # (each sequence's next slot, maybe a page just evicted whose backup is still queued;
+        # what it reads was waited for at its prefill)
+        if self.pool.copying:
+            self.pool.wait_copies(None if self._cuda else [r.pages[p // self.pool.page_size]
                                                           for r, p in zip(running, n0)])
         self.counters["decode_steps"] += 1
         picks: dict = {}

@@ -8,15 +8,20 @@ Both tiers are one tensor each, same layout as the model reads
 
 Page ids are handed out by the policy's allocators; this class never allocates.
 
-- ``backup_to_host(device_pages, host_pages)``: synchronous copy device -> host (after the
-  loads still copying into those device pages or, on CPU, out of those host pages).
+- ``backup_to_host(device_pages, host_pages)``: copies device -> host. On CPU with a copy
+  thread it is queued there and returns at once; the engine thread's eviction does not wait
+  for a memcpy, as a GPU's write-back does not (it goes on a copy stream). On CUDA, or
+  without a copy thread, it is synchronous (after the loads still copying into those pages).
 - ``start_load(host_pages, device_pages) -> ready_time``: copies host -> device in the
   background, as a GPU's copy engine would: on CUDA on a separate stream after the compute
-  stream's current work, recorded with an event; on CPU on one copy thread (a FIFO, so loads
-  land in the order they were started) that the engine thread does not wait for, when torch
-  leaves a core free for it (else inline: ``copy_thread``). Before a
-  forward reads or writes pages, call ``wait_loads(those pages)`` (CUDA: a GPU-side wait; CPU:
-  blocks until the copies into them are done, normally long since); ``is_ready`` polls.
+  stream's current work, recorded with an event; on CPU on the copy thread, when torch
+  leaves a core free for it (else inline: ``copy_thread``).
+- The copy thread is one FIFO: every copy runs after the copies queued before it, so a load
+  reads a host page only after a backup queued earlier wrote it, and lands in a device page
+  only after a backup queued earlier read it; the engine thread never touches ``host_kv``.
+  What is left to the caller: before a forward reads or writes pages, ``wait_copies(those
+  pages)`` (CUDA: a GPU-side wait for loads into them; CPU: blocks until no queued copy
+  writes or reads them, normally long since); ``is_ready`` polls.
   With ``host_link_gbps`` the returned time is virtual: ``max(now, link free) + bytes / (X*1e9)``,
   i.e. X is in gigaBYTES per second and loads queue on one emulated link; the pages are declared
   usable only then. Without it the returned time is ``now()`` on CPU and an estimate on CUDA.
@@ -64,11 +69,12 @@ class PagedKVPool:
         self.host_kv = torch.zeros(host_shape, dtype=self.dtype,
                                    pin_memory=self._cuda and torch.cuda.is_available())
         self._link_free_at = 0.0
-        # unfinished loads: (cuda event | copy-thread future, device pages written, host pages
-        # read: only the CPU copy thread reads them late; a CUDA load stages them at once)
-        self._pending: list[tuple[object, frozenset[int], frozenset[int]]] = []
+        # unfinished copies: (cuda event | copy-thread future, device pages they write (a load)
+        # or read (a CPU backup)); host pages need no record: only the FIFO copy thread
+        # touches them late (a CUDA load stages them at once)
+        self._pending: list[tuple[object, frozenset[int]]] = []
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
-        self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # CPU loads
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # CPU copies
         if copy_thread is None:
             copy_thread = torch.get_num_threads() < (os.cpu_count() or 1)
         self.copy_thread = bool(copy_thread) and not self._cuda
@@ -98,8 +104,8 @@ class PagedKVPool:
         return torch.as_tensor(list(pages), dtype=torch.long).to(device)
 
     @property
-    def loading(self) -> bool:
-        """A load is (or may still be) copying."""
+    def copying(self) -> bool:
+        """A load or a background backup is (or may still be) copying."""
         return bool(self._pending)
 
     def backup_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
@@ -108,20 +114,17 @@ class PagedKVPool:
         if not device_pages:
             return
         t0 = time.perf_counter()
+        self.stats["backup_pages"] += len(device_pages)
         if self._cuda:
             d = self._idx(device_pages, self.num_device_pages, self.device)
             h = self._idx(host_pages, self.num_host_pages, "cpu")
-            self.wait_loads(device_pages)
+            self.wait_copies(device_pages)
             self.host_kv.index_copy_(2, h, self.device_kv.index_select(2, d).cpu())  # .cpu() syncs
-        else:
-            _check_ids(host_pages, self.num_host_pages)
-            _check_ids(device_pages, self.num_device_pages)
-            # a load still copying may write these device pages or read these host pages
-            # (freed since): let those land first; the others go on in the background
-            self._wait_cpu_loads(set(device_pages), set(host_pages))
-            _copy_pages(self.host_kv, host_pages, self.device_kv, device_pages)
-        self.stats["backup_pages"] += len(device_pages)
-        self.stats["backup_s"] += time.perf_counter() - t0
+            self.stats["backup_s"] += time.perf_counter() - t0
+            return
+        _check_ids(host_pages, self.num_host_pages)  # here: a bad id fails the caller
+        _check_ids(device_pages, self.num_device_pages)
+        self._cpu_copy("backup", device_pages, host_pages)  # (after the loads queued before it)
 
     def start_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> float:
         if len(device_pages) != len(host_pages):
@@ -139,15 +142,7 @@ class PagedKVPool:
         else:
             _check_ids(host_pages, self.num_host_pages)  # here: a bad id fails the caller
             _check_ids(device_pages, self.num_device_pages)
-            if not self.copy_thread:
-                self._timed_copy(device_pages, host_pages)
-            else:
-                if self._copier is None:
-                    self._copier = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=1, thread_name_prefix="kvflow-kv-copy")
-                fut = self._copier.submit(self._timed_copy, list(device_pages), list(host_pages))
-                self._pending.append((fut, frozenset(int(p) for p in device_pages),
-                                      frozenset(int(p) for p in host_pages)))
+            self._cpu_copy("load", device_pages, host_pages)
             ready = start
         if self.host_link_gbps:
             begin = max(start, self._link_free_at)
@@ -158,18 +153,34 @@ class PagedKVPool:
             self.stats["load_s"] += time.perf_counter() - t0
         return ready
 
-    def _timed_copy(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        """A CPU load (on the copy thread, or inline)."""
+    def _cpu_copy(self, kind: str, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        """A ``kind`` ("load": host -> device | "backup": device -> host) copy on CPU: queued on
+        the copy thread, recorded against the device pages it writes or reads; else inline."""
+        dst, src = (self.device_kv, self.host_kv) if kind == "load" else (self.host_kv, self.device_kv)
+        dst_pages, src_pages = ((device_pages, host_pages) if kind == "load"
+                                else (host_pages, device_pages))
+        if not self.copy_thread:
+            self._timed_copy(kind, dst, dst_pages, src, src_pages)
+            return
+        if self._copier is None:
+            self._copier = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="kvflow-kv-copy")
+        fut = self._copier.submit(self._timed_copy, kind, dst, list(dst_pages), src, list(src_pages))
+        self._pending.append((fut, frozenset(int(p) for p in device_pages)))
+
+    def _timed_copy(self, kind: str, dst: torch.Tensor, dst_pages: Sequence[int],
+                    src: torch.Tensor, src_pages: Sequence[int]) -> None:
+        """The copy itself (on the copy thread or inline), timed into ``stats``."""
         t0 = time.perf_counter()
         try:
-            _copy_pages(self.device_kv, device_pages, self.host_kv, host_pages)
+            _copy_pages(dst, dst_pages, src, src_pages)
         except Exception:  # ids were checked: only a broken tensor gets here
-            log.exception("KV load into %d device pages failed", len(device_pages))
+            log.exception("KV %s of %d pages failed", kind, len(dst_pages))
             raise
-        self.stats["load_s"] += time.perf_counter() - t0
+        self.stats[f"{kind}_s"] += time.perf_counter() - t0
 
     def close(self) -> None:
-        """Finish the loads in flight and stop the CPU copy thread (idempotent)."""
+        """Finish the copies in flight and stop the CPU copy thread (idempotent)."""
         self.synchronize()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
@@ -190,41 +201,37 @@ class PagedKVPool:
             d.record_stream(stream)  # allocated on the compute stream, used on ours
             ev = torch.cuda.Event()
             ev.record(stream)
-        self._pending.append((ev, pages, frozenset()))
+        self._pending.append((ev, pages))
 
     def is_ready(self, device_pages: Sequence[int] | None = None) -> bool:
-        """True when no unfinished copy writes any of ``device_pages`` (all pages if None)."""
+        """True when no unfinished copy touches any of ``device_pages`` (all pages if None)."""
         self._prune()
         want = None if device_pages is None else set(device_pages)
-        return not any(want is None or want & pages for _, pages, _host in self._pending)
+        return not any(want is None or want & pages for _, pages in self._pending)
 
-    def wait_loads(self, device_pages: Sequence[int] | None = None) -> None:
-        """Loads into ``device_pages`` (all if None) happen before what follows: on CUDA the
-        current stream waits for them (no CPU block); on CPU this thread blocks until they are
-        copied. A no-op when nothing is in flight."""
+    def wait_copies(self, device_pages: Sequence[int] | None = None) -> None:
+        """The copies touching ``device_pages`` (all if None) happen before what follows, so a
+        forward may read and write them: on CUDA the current stream waits for the loads into
+        them (no CPU block); on CPU this thread blocks until the loads into them and the
+        backups out of them are done. A no-op when nothing is in flight."""
         if not self._pending:
             return
         want = None if device_pages is None else set(device_pages)
         if self._cuda:
             cur = torch.cuda.current_stream(self.device)
-            for ev, pages, _host in self._pending:
+            for ev, pages in self._pending:
                 if want is None or want & pages:
                     cur.wait_event(ev)
         else:
-            self._wait_cpu_loads(want, set())
+            for fut, pages in self._pending:
+                if want is None or want & pages:
+                    fut.result()  # a copy that failed raises here, on the reader's thread
         self._prune()
 
-    def _wait_cpu_loads(self, device_pages: set | None, host_pages: set) -> None:
-        """CPU: block until the loads writing any of ``device_pages`` (all loads if None) or
-        reading any of ``host_pages`` are copied."""
-        for fut, pages, host in self._pending:
-            if device_pages is None or device_pages & pages or host_pages & host:
-                fut.result()  # a copy that failed raises here, on the reader's thread
-
     def synchronize(self) -> None:
-        """Block the CPU until every load has finished."""
+        """Block the CPU until every copy has finished."""
         pending, self._pending = self._pending, []
-        for done, _, _host in pending:
+        for done, _ in pending:
             if self._cuda:
                 done.synchronize()
             else:

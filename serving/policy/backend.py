@@ -8,7 +8,11 @@ ask for copies without importing torch (or SGLang, or the simulator's clock).
 Invariants the policy relies on:
 - page ids are ``0 <= id < num_pages`` of their tier and are only handed out by the policy's
   allocators, so the backend never allocates;
-- ``backup_to_host`` is synchronous: when it returns, the host pages hold a valid copy;
+- when ``backup_to_host`` returns, the policy treats the host pages as holding the copy: it
+  frees the device pages (they may be reallocated at once) and may load from the host pages.
+  A backend that copies later must keep that true: order the copy before any later load from
+  those host pages or into those device pages, and before the engine writes those device
+  pages (the embedded pool: one FIFO copy thread, and forwards ``wait_copies`` their pages);
 - ``start_load`` may finish later: the returned time (same clock as ``now()``) is when the
   device pages become readable; until then the node is ``LOADING`` and must not be evicted or
   read by a batch. The engine's scheduler polls via the cache manager.
@@ -28,7 +32,7 @@ class KVTransferBackend(Protocol):
         ...
 
     def backup_to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
-        """Copy device pages to host pages (same order, same length). Synchronous."""
+        """Copy device pages to host pages (same order, same length); now, or ordered as above."""
         ...
 
     def start_load(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> float:

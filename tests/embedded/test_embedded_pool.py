@@ -31,10 +31,11 @@ def test_backup_load_roundtrip_restores_kv_and_logits(tiny16):
     before = pool.device_kv[:, :, pages_a].clone()
 
     pool.backup_to_host(pages_a, [7, 0, 15])
+    pool.wait_copies(pages_a)                   # a forward writing these pages waits so
     pool.device_kv.normal_()                    # the device copy is gone (evicted, reused)
     ready = pool.start_load([7, 0, 15], [4, 5, 11])
     assert ready <= pool.now()                  # no link emulation: usable at once on CPU
-    pool.wait_loads([4, 5, 11])                 # (copied on the copy thread, in the background)
+    pool.wait_copies([4, 5, 11])                 # (copied on the copy thread, in the background)
     assert pool.is_ready([4, 5, 11]) and torch.equal(pool.device_kv[:, :, [4, 5, 11]], before)
     got = model.prefill(pool.device_kv, ids[48:], [4, 5, 11, 2, 6], 48, return_all=True)
     assert torch.equal(got, ref)
@@ -50,7 +51,7 @@ def test_link_emulation_ready_time(tiny16):
     pool.host_kv[:, :, 2] = 1.0
     r1 = pool.start_load([1, 2, 3], [10, 11, 12])
     assert r1 == pytest.approx(100.0 + 3 * bpp / 0.5e9)
-    pool.wait_loads([11])                       # the copy itself takes real time only
+    pool.wait_copies([11])                       # the copy itself takes real time only
     assert torch.all(pool.device_kv[:, :, 11] == 1.0)
     r2 = pool.start_load([4], [13])             # queues behind the first on the one link
     assert r2 == pytest.approx(r1 + bpp / 0.5e9)
@@ -70,7 +71,7 @@ def test_argument_checks(tiny16):
         pool.start_load([4], [0])
     with pytest.raises(IndexError):
         pool.backup_to_host([-1], [0])
-    assert pool.is_ready([0]) and pool.wait_loads([0]) is None
+    assert pool.is_ready([0]) and pool.wait_copies([0]) is None
 
 
 @pytest.mark.parametrize("dst_pages,src_pages", [
@@ -90,7 +91,7 @@ def test_page_copies_match_a_gather(tiny16, dst_pages, src_pages):
     want = pool.device_kv.clone()
     want.index_copy_(2, torch.tensor(dst_pages), pool.host_kv.index_select(2, torch.tensor(src_pages)))
     pool.start_load(src_pages, dst_pages)
-    pool.wait_loads(dst_pages)
+    pool.wait_copies(dst_pages)
     assert torch.equal(pool.device_kv, want)
     runs = page_runs(dst_pages, src_pages)
     assert sum(n for _, _, n in runs) == len(dst_pages)
@@ -98,12 +99,13 @@ def test_page_copies_match_a_gather(tiny16, dst_pages, src_pages):
     host_want = pool.host_kv.clone()
     host_want.index_copy_(2, torch.tensor(src_pages), pool.device_kv.index_select(2, torch.tensor(dst_pages)))
     pool.backup_to_host(dst_pages, src_pages)
+    pool.synchronize()                          # (a backup may copy on the copy thread)
     assert torch.equal(pool.host_kv, host_want)
 
 
 def test_cpu_loads_run_on_a_copy_thread_in_order(tiny16):
     """start_load returns before the copy is done; loads land in the order they were started
-    (a later load into the same pages wins); backup_to_host and wait_loads see them landed."""
+    (a later load into the same pages wins); a backup queued after them copies what they wrote."""
     import threading
 
     _, _, cfg = tiny16
@@ -117,10 +119,11 @@ def test_cpu_loads_run_on_a_copy_thread_in_order(tiny16):
     pool.start_load([7], [6])                   # same device page, later: must win
     assert not pool.is_ready([5]) and not pool.is_ready() and pool.is_ready([1, 2])
     gate.set()
-    pool.wait_loads([6])
+    pool.wait_copies([6])
     assert torch.all(pool.device_kv[:, :, 5] == 3.0) and torch.all(pool.device_kv[:, :, 6] == 7.0)
     pool.start_load([2], [1])
-    pool.backup_to_host([1], [0])               # waits for the load into page 1 first
+    pool.backup_to_host([1], [0])               # queued behind the load into page 1
+    pool.synchronize()
     assert torch.all(pool.host_kv[:, :, 0] == 2.0)
     pool.close()
     assert pool.is_ready() and pool._copier is None
@@ -133,10 +136,13 @@ def test_cpu_loads_run_on_a_copy_thread_in_order(tiny16):
     assert inline._copier is None and inline.is_ready() and torch.all(inline.device_kv[:, :, 2] == 5.0)
 
 
-def test_a_backup_waits_only_for_the_loads_it_touches(tiny16):
-    """A backup waits for a load still copying into its device pages or out of its host pages
-    (they may have been freed and reused since); one on other pages does not stall the engine
-    thread behind the copy thread."""
+def test_a_backup_is_queued_on_the_copy_thread_in_order(tiny16):
+    """On CPU with a copy thread a backup returns at once, even behind a held load (the engine
+    thread's eviction does not wait for a memcpy), and keeps the order the policy relies on:
+    it copies what a load queued before it wrote into its device page; a load queued after it
+    from its host page reads what it wrote; a forward's ``wait_copies`` of its device page
+    returns only once it has read the page, so the page can be reused; inline it is done on
+    return."""
     import threading
 
     _, _, cfg = tiny16
@@ -144,36 +150,31 @@ def test_a_backup_waits_only_for_the_loads_it_touches(tiny16):
     for p in range(8):
         pool.host_kv[:, :, p] = float(p)
     pool.device_kv[:, :, 3] = 30.0
-
-    def held_load():
-        """host 1, 2 -> device 5, 6, queued behind a gate on the copy thread."""
-        gate = threading.Event()
-        pool.start_load([0], [0])               # (starts the copy thread)
-        pool._copier.submit(gate.wait)
-        pool.start_load([1, 2], [5, 6])
-        assert not pool.is_ready([5])
-        return gate
-
-    def backup(device, host) -> tuple[threading.Event, threading.Thread]:
-        done = threading.Event()
-        t = threading.Thread(target=lambda: (pool.backup_to_host(device, host), done.set()), daemon=True)
-        t.start()
-        return done, t
-
-    gate = held_load()
-    done, t = backup([3], [4])                  # other pages: at once, the load still held
-    assert done.wait(5) and not pool.is_ready([5]) and torch.all(pool.host_kv[:, :, 4] == 30.0)
+    pool.start_load([0], [0])                   # (starts the copy thread)
+    gate = threading.Event()
+    pool._copier.submit(gate.wait)              # hold the copy thread
+    pool.start_load([1], [5])                   # host 1 -> device 5, held
+    pool.backup_to_host([5, 3], [7, 2])         # returns at once, behind the held load
+    pool.start_load([2], [6])                   # reads host 2 after the backup wrote it
+    assert pool.stats["backup_pages"] == 2 and pool.stats["backup_s"] == 0.0  # not copied yet
+    assert not pool.is_ready([3]) and pool.is_ready([4])    # the backup still reads page 3
+    waited = threading.Event()
+    t = threading.Thread(target=lambda: (pool.wait_copies([3]), waited.set()), daemon=True)
+    t.start()
+    assert not waited.wait(0.2)                 # a forward writing page 3 is held
     gate.set()
-    for device, host in (([5], [7]), ([3], [2])):   # the load's device page / its host page
-        gate = held_load()
-        done, t = backup(device, host)
-        assert not done.wait(0.2)               # held behind the load
-        gate.set()
-        t.join(5)
-        assert done.is_set() and pool.is_ready()
+    t.join(5)
+    assert waited.is_set() and pool.is_ready([3])
+    pool.synchronize()
+    assert torch.all(pool.host_kv[:, :, 7] == 1.0)    # device 5 after its load landed
+    assert torch.all(pool.host_kv[:, :, 2] == 30.0)   # device 3
+    assert torch.all(pool.device_kv[:, :, 6] == 30.0)  # the later load read the backup's copy
+    assert pool.stats["backup_s"] > 0
     pool.close()
-    assert torch.all(pool.host_kv[:, :, 7] == 1.0)   # device 5 after its load landed
-    assert torch.all(pool.host_kv[:, :, 2] == 30.0)  # written only after the load read it
+    inline = make_pool(cfg, device_pages=8, host_pages=8, copy_thread=False)
+    inline.device_kv[:, :, 1] = 4.0
+    inline.backup_to_host([1], [6])
+    assert inline._copier is None and inline.is_ready() and torch.all(inline.host_kv[:, :, 6] == 4.0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -187,7 +188,7 @@ def test_cuda_stream_load_roundtrip(tiny16):
     pool.backup_to_host([0, 1, 2], [5, 6, 7])
     pool.device_kv.zero_()
     pool.start_load([5, 6, 7], [8, 9, 10])
-    pool.wait_loads([8, 9, 10])
+    pool.wait_copies([8, 9, 10])
     got = model.prefill(pool.device_kv, ids[32:], [8, 9, 10], 32, return_all=True)
     assert torch.allclose(got, ref[32:], atol=5e-2)
     pool.synchronize()

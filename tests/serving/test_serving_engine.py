@@ -63,27 +63,25 @@ def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model,
     greedy tokens of an oracle that never evicts (deterministic mode). Each copy here is slower
     than the emulated link (80 ms against < 1 ms) and fills its pages with NaN when it starts,
     so a request admitted at the link's ready time whose prefill did not wait for the copy
-    (``pool.wait_loads``) would read NaN and write other tokens. The pool's ordering and
-    waits are tested directly in tests/embedded/test_embedded_pool.py."""
+    (``pool.wait_copies``) would read NaN and write other tokens. Backups are as slow and
+    queued on the same thread: a forward that wrote a reused page before its backup read it
+    would leave another prompt's KV on host for a later load. The pool's ordering and waits
+    are tested directly in tests/embedded/test_embedded_pool.py."""
     import time
 
     import torch
 
     from kvflow_agents.serving.embedded.kv_pool import PagedKVPool
 
-    copy, start = PagedKVPool._timed_copy, PagedKVPool.start_load
+    copy = PagedKVPool._timed_copy
 
-    def slow_copy(self, device_pages, host_pages):
+    def slow_poisoning_copy(self, kind, dst, dst_pages, src, src_pages):
+        if kind == "load" and self.copy_thread:  # nothing may read these pages until copied
+            dst.index_fill_(2, torch.tensor(list(dst_pages)), float("nan"))
         time.sleep(0.08)
-        copy(self, device_pages, host_pages)
+        copy(self, kind, dst, dst_pages, src, src_pages)
 
-    def poisoning_start(self, host_pages, device_pages):
-        if self.copy_thread and len(device_pages):  # nothing may read these pages until copied
-            self.device_kv.index_fill_(2, torch.tensor(list(device_pages)), float("nan"))
-        return start(self, host_pages, device_pages)
-
-    monkeypatch.setattr(PagedKVPool, "_timed_copy", slow_copy)
-    monkeypatch.setattr(PagedKVPool, "start_load", poisoning_start)
+    monkeypatch.setattr(PagedKVPool, "_timed_copy", slow_poisoning_copy)
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # a core left free: the pool copies on its thread (auto)
     try:
