@@ -35,6 +35,9 @@ class Evictor:
         self._ev_of: dict[TreeNode, tuple[float, int]] = {}
         self._ev_by_prio: dict[float, int] = {}
         self.evict_floor: float | None = None  # set while a prefetch evicts (tests check M4)
+        # write-throughs of the eviction pass under way: one backend call per pass (a pass
+        # evicts several nodes, most a few pages; each call is a copy-thread submit)
+        self._backups: list[tuple[list[int], list[int]]] = []
 
     # ------------------------------------------------------------------ candidates
     def dev_candidate(self, n: TreeNode) -> bool:
@@ -131,21 +134,38 @@ class Evictor:
         freed = 0
         index = self.index
         self.evict_floor = above
-        while freed < need:
-            n = self._pop(self._dev_heap, True)
-            if n is None:
-                break
-            prio = index.priority(n)
-            if above is not None and prio <= above:
-                self._reindex(n)
-                break
-            rest = need - freed
-            if split and len(n.device_pages) > rest:
-                # Evict only the tail that is needed; the head stays a usable prefix.
-                self.tree.split(n, (len(n.device_pages) - rest) * self.page_size)
-            freed += self._evict_device_node(n, prio, reason)
-        self.evict_floor = None
+        try:
+            while freed < need:
+                n = self._pop(self._dev_heap, True)
+                if n is None:
+                    break
+                prio = index.priority(n)
+                if above is not None and prio <= above:
+                    self._reindex(n)
+                    break
+                rest = need - freed
+                if split and len(n.device_pages) > rest:
+                    # Evict only the tail that is needed; the head stays a usable prefix.
+                    self.tree.split(n, (len(n.device_pages) - rest) * self.page_size)
+                freed += self._evict_device_node(n, prio, reason)
+        finally:
+            self.evict_floor = None
+            self._flush_backups()
         return freed
+
+    def _flush_backups(self) -> None:
+        """Write the pass's victims through to host in one backend call. Before the pages are
+        handed out again: the caller allocates the freed device pages after the pass, and
+        ``_alloc_host`` flushes before it evicts host copies (one of this pass's, whose
+        host pages could otherwise be written twice in one call)."""
+        if not self._backups:
+            return
+        batch, self._backups = self._backups, []
+        if len(batch) == 1:
+            self.backend.backup_to_host(*batch[0])
+            return
+        self.backend.backup_to_host([p for dev, _ in batch for p in dev],
+                                    [p for _, host in batch for p in host])
 
     def _evict_device_node(self, n: TreeNode, prio: float, reason: str) -> int:
         if self.on_evict is not None:
@@ -158,7 +178,7 @@ class Evictor:
             if hp is not None and not n.detached:
                 n.set_state(OFFLOADING)
                 n.host_pages = hp
-                self.backend.backup_to_host(pages, hp)
+                self._backups.append((pages, hp))  # copied at the end of the pass
                 self.metrics.backup_pages += k
             elif hp is not None:
                 self.host.free(hp)

@@ -280,6 +280,7 @@ class TieredStore(Evictor, Transfers):
 
     def _alloc_host(self, k: int, for_priority: float) -> list[int] | None:
         if self.host.num_free < k:
+            self._flush_backups()  # a host victim may be one whose copy is still pending
             self._evict_host(k - self.host.num_free, for_priority)
         return self.host.alloc(k)
 

@@ -1,0 +1,90 @@
+"""Write-through under pressure on both tiers: the bytes follow the tree.
+
+A shadow backend holds, per page, the token whose KV an engine would have written there, and
+applies the policy's copies in order. Every prefix a request finds on device must then hold
+its own tokens, whatever was evicted, backed up, dropped from host or loaded back meanwhile.
+It also checks what the embedded pool's one-call batches rely on: no host page is written
+twice, and no device page read twice, by one ``backup_to_host`` call (the store sends one per
+eviction pass; a gathered copy with a repeated destination has no defined winner)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvflow_agents.serving.policy import KVCacheManager
+from policy_driver import VirtualClock
+
+
+class ShadowBackend:
+    def __init__(self, clock) -> None:
+        self.clock = clock
+        self.device: dict[int, int] = {}
+        self.host: dict[int, int] = {}
+        self.backup_calls = self.backup_pages = 0
+
+    def now(self) -> float:
+        return self.clock()
+
+    def backup_to_host(self, device_pages, host_pages) -> None:
+        assert len(device_pages) == len(host_pages)
+        assert len(set(host_pages)) == len(host_pages), "a host page written twice in one call"
+        assert len(set(device_pages)) == len(device_pages)
+        for d, h in zip(device_pages, host_pages):
+            self.host[h] = self.device[d]
+        self.backup_calls += 1
+        self.backup_pages += len(device_pages)
+
+    def start_load(self, host_pages, device_pages) -> float:
+        for h, d in zip(host_pages, device_pages):
+            self.device[d] = self.host[h]
+        return self.clock()
+
+
+def serve_writing(m: KVCacheManager, backend: ShadowBackend, tokens, fixed: int, agent: str) -> bool:
+    """One request as an engine serves it: load what is on host, check what it reads, write
+    the KV of the rest into fresh pages, insert, tag."""
+    pm = m.match(tokens)
+    if pm.needs_load:
+        m.load_on_demand(pm)
+        m.tick(m.clock.t)  # (no link: landed)
+        pm = m.match(tokens, record=False)
+    got = [backend.device[p] for p in pm.device_pages]
+    assert got == tokens[:len(got)], "device KV of another prompt"
+    handle = m.lock(pm)
+    pages = m.allocate(len(tokens) - len(pm.device_pages))
+    if pages is None:
+        m.unlock(handle)
+        return False
+    for p, t in zip(pages, tokens[len(pm.device_pages):]):
+        backend.device[p] = t
+    m.insert(tokens, pm.device_pages + pages)
+    m.unlock(handle)
+    m.tag_fixed_prefix(tokens, fixed, "w", agent)
+    return True
+
+
+@pytest.mark.parametrize("policy", ["hicache", "kvflow"])
+def test_prefixes_found_on_device_hold_their_own_tokens(policy):
+    clock = VirtualClock()
+    backend = ShadowBackend(clock)
+    # a host tier smaller than some passes' write-throughs: a pass's later victim evicts an
+    # earlier one's host copy (found only so: without the flush before a host eviction, a
+    # host page is written twice in one call)
+    m = KVCacheManager(policy, page_size=1, device_pages=40, host_pages=12, backend=backend)
+    m.clock = clock
+    rng = random.Random(7)
+    prefixes = [[a * 100 + i for i in range(rng.randint(6, 14))] for a in range(10)]
+    for _ in range(600):
+        a = rng.randrange(len(prefixes))
+        tokens = prefixes[a] + [10_000 + rng.randrange(3) for _ in range(rng.randint(1, 4))]
+        clock.t += 1.0
+        serve_writing(m, backend, tokens, len(prefixes[a]), f"agent{a}")
+    # both tiers overflowed, and passes wrote several victims through in one call
+    ev = m.metrics.evictions
+    host_evictions = sum(n for r, n in ev.items() if r.startswith("host:"))
+    device_evictions = sum(n for r, n in ev.items() if r.startswith("device:"))
+    assert host_evictions > 20 and m.metrics.hit_tokens_host > 0, dict(ev)
+    assert 0 < backend.backup_calls < device_evictions
+    assert backend.backup_pages == m.metrics.backup_pages
