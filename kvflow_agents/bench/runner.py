@@ -240,11 +240,14 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
                        counter: TokenCounter, base_url: Optional[str] = None,
                        model: Optional[str] = None, api_key: Optional[str] = None, trials: int = 1,
                        progress: Optional[ProgressHook] = None, keep_raw: bool = False, stream: bool = True,
+                       fresh_servers: bool = False,
                        log: Callable[[str], Any] = lambda s: None) -> list[PolicyResult]:
     """``trials`` x (warm-up + measured rounds) per policy. All policy servers run side by side
     and the trials interleave them (policy order rotated per trial), so a noisy neighbour on the
     machine slows every policy alike; each trial uses fresh workflow ids and starts with its
-    own (unmeasured) warm-up rounds."""
+    own (unmeasured) warm-up rounds. ``fresh_servers``: every trial starts its own servers, so
+    what one process drew (two servers of the same code measured 10 % apart over 30 trials,
+    RESULTS.md §6.22; the oracle's pool grows all run) is drawn again each trial."""
     per_trial = spec.workflows * spec.calls_per_round * (spec.rounds + spec.warmup_rounds)
     merged: dict[str, WorkloadResult] = {}
     counters: dict[str, Optional[dict]] = {}
@@ -273,15 +276,24 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
     else:
         assert server is not None
         labels = list(policies)
-        with ServerSet(server, labels, log=log) as ss:
-            if progress is not None:
-                for p in labels:
-                    progress(f"start:{p}", per_trial * trials)
-            for t in range(trials):
+        started: dict[str, list[float]] = {p: [] for p in labels}
+
+        def run_trials(ss: ServerSet, trial_ids: range) -> None:
+            for p in labels:
+                started[p].append(ss.servers[p].started_s)
+            for t in trial_ids:
                 for p in rotated(labels, t):
                     run_one(p, ss.servers[p].base_url, server.model, t)
-            argv = {p: ss.argv(p) for p in labels}
-            startup = {p: ss.servers[p].started_s for p in labels}
+
+        if progress is not None:
+            for p in labels:
+                progress(f"start:{p}", per_trial * trials)
+        quiet: Callable[[str], Any] = lambda s: None  # noqa: E731
+        for t in range(trials) if fresh_servers else [0]:
+            with ServerSet(server, labels, log=log if t == 0 else quiet) as ss:
+                run_trials(ss, range(t, t + 1) if fresh_servers else range(trials))
+        argv = {p: server.display_argv(p) for p in labels}
+        startup = {p: sum(v) / len(v) for p, v in started.items()}
     out = []
     for p in labels:
         res = merged[p]

@@ -307,6 +307,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                                   "by side and trials interleave them (noise robustness)."),
         stream: bool = typer.Option(True, help="Stream responses (client-side TTFT); --no-stream uses "
                                                "the server-reported TTFT."),
+        fresh_servers: bool = typer.Option(False, help="Start every policy's server again for each trial "
+                                                       "(~2 s per server and trial): what one process "
+                                                       "drew is drawn again each trial."),
         workflows: int = typer.Option(1, min=1, help="Concurrent workflow instances."),
         share_prompts: bool = typer.Option(False, help="All workflows share the same fixed prompts (one app)."),
         policies: str = typer.Option(_DEFAULT_POLICIES, help="Comma-separated: lru,hicache,kvflow,oracle."),
@@ -423,6 +426,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             if given and (base_url or engine == "sglang"):
                 raise typer.BadParameter("passes options to the embedded servers this command starts; "
                                          "not with --base-url or --engine sglang", param_hint=hint)
+        if fresh_servers and base_url:
+            raise typer.BadParameter("restarts the servers this command starts; not with --base-url",
+                                     param_hint="--fresh-servers")
         if base_url:
             console.print(f"measuring the running server at {base_url} (one column, 'external')")
         elif engine == "sglang":
@@ -454,7 +460,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             lambda hook, log: run_workflow_bench(spec, pols, server, counter=counter, base_url=base_url,
                                                  model=served_model or model, api_key=api_key,
                                                  trials=trials, stream=stream, progress=hook,
-                                                 keep_raw=raw, log=log),
+                                                 keep_raw=raw, fresh_servers=fresh_servers, log=log),
             console, meta, title=title,
             targets=() if base_url else report.PAPER_TARGETS if regime is not None else report.WORKFLOW_TARGETS,
             progress=progress, raw=raw, json_out=json_out, plot_out=plot_out, wide=wide)

@@ -319,6 +319,9 @@ def test_cli_rejects_bad_flags():
     r = runner.invoke(app, ["bench", "workflow", "--policy-variant", "w=kvflow --whole-node-eviction",
                             "--base-url", "http://127.0.0.1:9/v1"], env=env)
     assert r.exit_code == 2 and "--policy-variant" in r.output and "--base-url" in r.output
+    r = runner.invoke(app, ["bench", "workflow", "--fresh-servers", "--base-url", "http://127.0.0.1:9/v1"],
+                      env=env)
+    assert r.exit_code == 2 and "not with --base-url" in r.output
     r = runner.invoke(app, ["bench", "workflow", "--help"], env=env)
     assert r.exit_code == 0 and "--host-link-gbps" in r.output and "--device-fraction" in r.output
 
@@ -498,3 +501,29 @@ def test_progress_bars_grow_when_a_run_makes_more_calls_than_estimated():
             hook("advance:kvflow", 1)
     text = out.getvalue()
     assert "6/6" in text and "6/4" not in text, text
+
+
+def test_fresh_servers_start_each_trial_on_new_processes(monkeypatch):
+    """``--fresh-servers``: every trial runs on servers started for it (so one process's luck is
+    drawn again per trial); the trials' calls are merged as with one server per policy."""
+    from kvflow_agents.bench import runner
+    from kvflow_agents.bench.workload import WorkloadSpec, token_counter
+
+    pids: list[dict] = []
+    real_enter = runner.ServerSet.__enter__
+
+    def spy(self):
+        got = real_enter(self)
+        pids.append({p: s.proc.pid for p, s in self.servers.items()})
+        return got
+    monkeypatch.setattr(runner.ServerSet, "__enter__", spy)
+    spec = WorkloadSpec(agents=2, fixed=64, dynamic=8, output=2, rounds=1, warmup_rounds=0)
+    server = runner.ServerConfig(model="tiny-random", device_tokens=512, host_tokens=1024,
+                                 torch_threads=1)
+    out = runner.run_workflow_bench(spec, ["lru", "kvflow"], server, counter=token_counter("tiny-random"),
+                                    trials=2, fresh_servers=True)
+    assert len(pids) == 2 and pids[0]["kvflow"] != pids[1]["kvflow"] and pids[0]["lru"] != pids[1]["lru"]
+    for res in out:
+        w = res.workload
+        assert w["calls"] == 2 * 2 and w["errors"] == 0 and w["trials"] == 2
+        assert res.startup_s > 0 and res.serve_argv[:2] == ["kvflow", "serve"]
