@@ -65,6 +65,7 @@ PEER_TARGETS = (Target("kvflow", "lru", ">=", 1.15), Target("kvflow", "hicache",
                 *SAVING_TARGETS)
 
 
+# ------------------------------------------------------------------------------ ratios and targets
 def _lat(results: dict[str, PolicyResult], p: str, key: str = LATENCY_KEY) -> Optional[float]:
     r = results.get(p)
     v = r.workload.get(key) if r is not None else None
@@ -238,6 +239,7 @@ def check_targets(results: Sequence[PolicyResult], targets: Sequence[Target]) ->
     return out
 
 
+# ------------------------------------------------------------------------------ JSON
 def from_json(doc: dict) -> tuple[dict, list[PolicyResult], list[Target]]:
     """A saved ``--json`` document back as ``(meta, results, targets)``: what ``to_json`` was
     given, so a stored run can be reported again (``kvflow bench show``) with today's ratios."""
@@ -266,6 +268,17 @@ def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Targe
             "saving_same_pool": saving_ratios(results, oracle="oracle-pool"),
             "targets": check_targets(results, targets),
             "target_specs": [dataclasses.asdict(t) for t in targets]}
+
+
+def write_json(doc: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, default=str)
+        f.write("\n")
+
+
+def results_from_json(doc: dict) -> list[PolicyResult]:
+    """The :class:`PolicyResult` list of a ``--json`` file (:func:`from_json`'s results)."""
+    return from_json(doc)[1]
 
 
 # ------------------------------------------------------------------------------ table
@@ -474,17 +487,6 @@ def print_report(console, results: Sequence[PolicyResult], *, title: str,
     for line in target_lines(results, targets):
         color = "green" if "-> met" in line else "red"
         console.print(f"[{color}]{line}[/]", highlight=False)
-
-
-def write_json(doc: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=2, default=str)
-        f.write("\n")
-
-
-def results_from_json(doc: dict) -> list[PolicyResult]:
-    """The :class:`PolicyResult` list of a ``--json`` file (:func:`from_json`'s results)."""
-    return from_json(doc)[1]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

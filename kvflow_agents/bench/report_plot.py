@@ -46,14 +46,14 @@ def plot(results: Sequence[PolicyResult], path: str, title: str = "kvflow bench"
     ax.set_ylim(0, 100)
     ax.legend(fontsize=8, loc="lower right")
     if sav:
-        _plot_saving(axes[3], sav, colors)
+        _plot_saving(axes[3], sav)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _plot_saving(ax, sav: dict, colors: dict) -> None:
+def _plot_saving(ax, sav: dict) -> None:
     """Achievable saving per policy and baseline: bars the pooled p50 ratio with min..max over
     trials, dots the mean-based ratio with its paired-bootstrap interval."""
     pols = list(sav)

@@ -294,6 +294,7 @@ class EngineLoop:
         req.detok = self.tokenizer.stream(stop=req.params.stop, stop_token_ids=stop_ids)
         return True
 
+    # -- prefill and decode -------------------------------------------------------------------
     def _prefill(self) -> bool:
         """Chunked prefill: at most ``max_prefill_tokens`` prompt tokens per step, oldest
         admitted first, so a long prompt does not stall the running decodes for seconds."""
@@ -437,6 +438,7 @@ class EngineLoop:
     def _decode_one(self, req: Request, seq) -> tuple:
         return self.sampler.sample(self._decode_logits([seq]), [req])[0]
 
+    # -- output and finish --------------------------------------------------------------------
     def _emit(self, req: Request, tok: int, lp: Any = None) -> None:
         req.output_ids.append(tok)
         if lp is not None:

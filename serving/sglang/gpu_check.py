@@ -164,8 +164,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             run["wall_s"] = run.get("wall_s", 0.0) + time.perf_counter() - t0
             flush()
             plot(results, str(out / f"gpu_check_{fixed}.png"),
-                        title=f"SGLang 0.5.23 on {doc.get('gpu', args.device)}: {args.agents}-agent "
-                              f"cycle, {fixed}-token prompts, {shape} shape")
+                 title=f"SGLang 0.5.23 on {doc.get('gpu', args.device)}: {args.agents}-agent "
+                       f"cycle, {fixed}-token prompts, {shape} shape")
             print(report.plain_table(results), flush=True)
     flush()
     return 0 if all(not r["errors"] for r in doc["runs"]) else 1

@@ -503,6 +503,7 @@ def test_progress_bars_grow_when_a_run_makes_more_calls_than_estimated():
     assert "6/6" in text and "6/4" not in text, text
 
 
+# ------------------------------------------------------------------------------ servers per trial
 def test_fresh_servers_start_each_trial_on_new_processes(monkeypatch):
     """``--fresh-servers``: every trial runs on servers started for it (so one process's luck is
     drawn again per trial); the trials' calls are merged as with one server per policy."""
