@@ -18,7 +18,11 @@ Page ids are handed out by the policy's allocators; this class never allocates.
   leaves a core free for it (else inline: ``copy_thread``).
 - The copy thread is one FIFO: every copy runs after the copies queued before it, so a load
   reads a host page only after a backup queued earlier wrote it, and lands in a device page
-  only after a backup queued earlier read it; the engine thread never touches ``host_kv``.
+  only after a backup queued earlier read it. The one exception keeps that order: a copy a
+  forward waits for that has not started and shares no page (device or host) with any other
+  unfinished copy is taken off the queue and run at once by the waiting thread, instead of
+  after unrelated loads (an eviction's backup out of the pages a prefill is about to write,
+  queued behind the prefetches of the same step, would otherwise hold that prefill ~2 ms).
   What is left to the caller: before a forward reads or writes pages, ``wait_copies(those
   pages)`` (CUDA: a GPU-side wait for loads into them; CPU: blocks until no queued copy
   writes or reads them, normally long since); ``is_ready`` polls.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -69,16 +74,17 @@ class PagedKVPool:
         self.host_kv = torch.zeros(host_shape, dtype=self.dtype,
                                    pin_memory=self._cuda and torch.cuda.is_available())
         self._link_free_at = 0.0
-        # unfinished copies: (cuda event | copy-thread future, device pages they write (a load)
-        # or read (a CPU backup)); host pages need no record: only the FIFO copy thread
-        # touches them late (a CUDA load stages them at once)
-        self._pending: list[tuple[object, frozenset[int]]] = []
+        # unfinished copies, oldest first: the device pages each writes (a load) or reads (a
+        # backup) and, on the CPU copy thread, the host pages (a CUDA load stages them at once)
+        self._pending: list[_Copy] = []
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # CPU copies
         if copy_thread is None:
             copy_thread = torch.get_num_threads() < (os.cpu_count() or 1)
         self.copy_thread = bool(copy_thread) and not self._cuda
-        self.stats = {"backup_pages": 0, "load_pages": 0, "backup_s": 0.0, "load_s": 0.0}
+        self.stats = {"backup_pages": 0, "load_pages": 0, "backup_s": 0.0, "load_s": 0.0,
+                      "copies_run_by_waiter": 0}
+        self._stats_lock = threading.Lock()
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -165,8 +171,10 @@ class PagedKVPool:
         if self._copier is None:
             self._copier = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="kvflow-kv-copy")
-        fut = self._copier.submit(self._timed_copy, kind, dst, list(dst_pages), src, list(src_pages))
-        self._pending.append((fut, frozenset(int(p) for p in device_pages)))
+        args = (kind, dst, list(dst_pages), src, list(src_pages))
+        fut = self._copier.submit(self._timed_copy, *args)
+        self._pending.append(_Copy(fut, frozenset(int(p) for p in device_pages),
+                                   frozenset(int(p) for p in host_pages), args))
 
     def _timed_copy(self, kind: str, dst: torch.Tensor, dst_pages: Sequence[int],
                     src: torch.Tensor, src_pages: Sequence[int]) -> None:
@@ -177,7 +185,8 @@ class PagedKVPool:
         except Exception:  # ids were checked: only a broken tensor gets here
             log.exception("KV %s of %d pages failed", kind, len(dst_pages))
             raise
-        self.stats[f"{kind}_s"] += time.perf_counter() - t0
+        with self._stats_lock:  # (the copy thread and a waiter may both be copying)
+            self.stats[f"{kind}_s"] += time.perf_counter() - t0
 
     def close(self) -> None:
         """Finish the copies in flight and stop the CPU copy thread (idempotent)."""
@@ -201,13 +210,13 @@ class PagedKVPool:
             d.record_stream(stream)  # allocated on the compute stream, used on ours
             ev = torch.cuda.Event()
             ev.record(stream)
-        self._pending.append((ev, pages))
+        self._pending.append(_Copy(ev, pages))
 
     def is_ready(self, device_pages: Sequence[int] | None = None) -> bool:
         """True when no unfinished copy touches any of ``device_pages`` (all pages if None)."""
         self._prune()
         want = None if device_pages is None else set(device_pages)
-        return not any(want is None or want & pages for _, pages in self._pending)
+        return not any(want is None or want & c.device_pages for c in self._pending)
 
     def wait_copies(self, device_pages: Sequence[int] | None = None) -> None:
         """The copies touching ``device_pages`` (all if None) happen before what follows, so a
@@ -219,29 +228,56 @@ class PagedKVPool:
         want = None if device_pages is None else set(device_pages)
         if self._cuda:
             cur = torch.cuda.current_stream(self.device)
-            for ev, pages in self._pending:
-                if want is None or want & pages:
-                    cur.wait_event(ev)
+            for c in self._pending:
+                if want is None or want & c.device_pages:
+                    cur.wait_event(c.done)
         else:
-            for fut, pages in self._pending:
-                if want is None or want & pages:
-                    fut.result()  # a copy that failed raises here, on the reader's thread
+            for c in list(self._pending):
+                if want is None or want & c.device_pages:
+                    if not self._run_by_waiter(c):
+                        c.done.result()  # a copy that failed raises here, on the reader's thread
         self._prune()
+
+    def _run_by_waiter(self, c: "_Copy") -> bool:
+        """Run the queued CPU copy ``c`` on this thread now, if that cannot change what any copy
+        reads or writes: it has not started and no other unfinished copy touches its pages.
+        True if it ran here (it is then off the queue and the record)."""
+        if c.done.done() or any(o is not c and not o.done.done()
+                                and (o.device_pages & c.device_pages or o.host_pages & c.host_pages)
+                                for o in self._pending):
+            return False
+        if not c.done.cancel():  # the copy thread took it meanwhile
+            return False
+        self._pending.remove(c)
+        self.stats["copies_run_by_waiter"] += 1
+        self._timed_copy(*c.args)
+        return True
 
     def synchronize(self) -> None:
         """Block the CPU until every copy has finished."""
         pending, self._pending = self._pending, []
-        for done, _ in pending:
+        for c in pending:
             if self._cuda:
-                done.synchronize()
+                c.done.synchronize()
             else:
-                done.result()
+                c.done.result()
 
     def _prune(self) -> None:
         if self._cuda:
-            self._pending = [e for e in self._pending if not e[0].query()]
+            self._pending = [c for c in self._pending if not c.done.query()]
         else:
-            self._pending = [e for e in self._pending if not e[0].done()]
+            self._pending = [c for c in self._pending if not c.done.done()]
+
+
+class _Copy:
+    """One unfinished copy: ``done`` (a CUDA event | a copy-thread future), the device and host
+    pages it touches, and (CPU) the ``_timed_copy`` arguments to run it elsewhere."""
+
+    __slots__ = ("done", "device_pages", "host_pages", "args")
+
+    def __init__(self, done: object, device_pages: frozenset[int],
+                 host_pages: frozenset[int] = frozenset(), args: tuple = ()) -> None:
+        self.done, self.device_pages, self.host_pages, self.args = done, device_pages, host_pages, args
 
 
 # A copy of up to this many runs goes slice by slice; more (a fragmented pool) one gather.

@@ -177,6 +177,44 @@ def test_a_backup_is_queued_on_the_copy_thread_in_order(tiny16):
     assert inline._copier is None and inline.is_ready() and torch.all(inline.host_kv[:, :, 6] == 4.0)
 
 
+def test_a_waited_copy_that_touches_no_other_copys_pages_runs_at_once(tiny16):
+    """A forward waiting for a backup out of its pages does not wait behind unrelated loads:
+    the waiter runs the backup itself when it has not started and no other unfinished copy
+    touches its device or host pages; one that does is left to the FIFO (ordering test above)."""
+    import threading
+
+    _, _, cfg = tiny16
+    pool = make_pool(cfg, device_pages=8, host_pages=8, copy_thread=True)
+    for p in range(8):
+        pool.host_kv[:, :, p] = float(p)
+        pool.device_kv[:, :, p] = 10.0 + p
+    pool.start_load([0], [0])                   # (starts the copy thread)
+    pool.wait_copies([0])
+    gate = threading.Event()
+    pool._copier.submit(gate.wait)              # hold the copy thread
+    try:
+        pool.start_load([1, 2], [1, 2])         # a prefetch, held
+        pool.backup_to_host([4], [5])           # an eviction's backup, behind it: unrelated
+        pool.backup_to_host([6], [1])           # behind it too, but host 1 is the load's source
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (pool.wait_copies([4]), done.set()), daemon=True)
+        t.start()
+        assert done.wait(5)                     # ran by the waiter, the copy thread still held
+        assert torch.all(pool.host_kv[:, :, 5] == 14.0) and pool.stats["copies_run_by_waiter"] == 1
+        assert pool.is_ready([4]) and not pool.is_ready([6]) and not pool.is_ready([1])
+        held = threading.Event()
+        t = threading.Thread(target=lambda: (pool.wait_copies([6]), held.set()), daemon=True)
+        t.start()
+        assert not held.wait(0.2)               # it must not overwrite host 1 before the load read it
+    finally:
+        gate.set()
+    t.join(5)
+    assert held.is_set() and pool.stats["copies_run_by_waiter"] == 1
+    assert torch.all(pool.device_kv[:, :, 1] == 1.0)   # the load read host 1 before the backup
+    assert torch.all(pool.host_kv[:, :, 1] == 16.0)
+    pool.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_stream_load_roundtrip(tiny16):
     from kvflow_agents.serving.embedded.model import load_model
