@@ -7,7 +7,8 @@ import json
 
 from typer.testing import CliRunner
 
-from kvflow_agents.bench.reliability import Plan, Suite, fuzz_cases
+from kvflow_agents.bench.reliability import Plan, Suite
+from kvflow_agents.bench.reliability_corpus import fuzz_cases
 
 
 def test_fuzz_corpus_is_seeded_reproducible_and_mixed():
