@@ -19,6 +19,7 @@ row per check: how many cases were tried, how many failed, and the figure the ch
 | determinism | greedy outputs alone vs batched, default and ``--deterministic`` | the deterministic run differs |
 
 The requests it sends and the seeded fuzz corpus: :mod:`.reliability_corpus`.
+
 ``--quick`` runs every row with small counts (seconds; ``make test`` runs it through
 ``tests/reliability``); the full run is ``kvflow bench reliability`` (README "Reliability").
 """

@@ -1,8 +1,8 @@
 """The requests of ``kvflow bench reliability``: how its checks build request bodies and hints,
 and the seeded fuzz corpus (the same ``(seed, n)`` gives the same cases, in order).
 
-A :class:`Case` says whether a correct server must answer it 200 (``valid``); the rest must get
-a 4xx, never a 5xx or a dropped connection. Mixture (``fuzz_cases``): 42 % valid requests with
+A :class:`Case` says whether a correct server must answer it 200 (``valid``); the rest may get
+a 4xx, none a 5xx or a dropped connection. Mixture (``fuzz_cases``): 42 % valid requests with
 malformed hints in ``custom_params``, 5 % hints in headers, 20 % out-of-band hints, 33 %
 mutated bodies (wrong types, bad messages, BOM, invalid UTF-8, truncated JSON, ``NaN``, deep
 nesting, oversized fields, legacy completions).
