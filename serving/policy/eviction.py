@@ -161,9 +161,6 @@ class Evictor:
         if not self._backups:
             return
         batch, self._backups = self._backups, []
-        if len(batch) == 1:
-            self.backend.backup_to_host(*batch[0])
-            return
         self.backend.backup_to_host([p for dev, _ in batch for p in dev],
                                     [p for _, host in batch for p in host])
 
