@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import networkx as nx
 
-from .errors import GraphError
+from .errors import GraphError, read_document
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tracker import WorkflowTracker
@@ -354,14 +354,10 @@ class AgentStepGraph:
 
     @classmethod
     def from_json(cls, text: str) -> "AgentStepGraph":
+        doc = read_document(text, "kvflow_asg", "an Agent Step Graph")
         try:
-            doc = json.loads(text)
-            if doc.get("kvflow_asg") != 1:
-                raise GraphError("not an Agent Step Graph JSON document (missing kvflow_asg: 1)")
             g = nx.node_link_graph(doc["graph"], directed=True, multigraph=True, edges="edges")
-        except (ValueError, KeyError, TypeError) as e:
-            if isinstance(e, GraphError):
-                raise
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise GraphError(f"cannot read Agent Step Graph JSON: {e}") from e
         out = cls(doc.get("name", "workflow"))
         for n, attrs in g.nodes(data=True):

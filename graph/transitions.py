@@ -49,7 +49,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from .errors import GraphError
+from .errors import GraphError, read_document
 from .expected_ste import solve, view, wire_ste
 from .step_graph import AgentStepGraph
 
@@ -220,10 +220,8 @@ class TransitionModel:
 
     @classmethod
     def from_json(cls, text: str) -> "TransitionModel":
+        doc = read_document(text, "kvflow_transitions", "a transition model")
         try:
-            doc = json.loads(text)
-            if doc.get("kvflow_transitions") != 1:
-                raise GraphError("not a transition-model document (missing kvflow_transitions: 1)")
             m = cls(prior=doc.get("prior", 1.0))
             for app, rows in doc["counts"].items():
                 for u, row in rows.items():

@@ -133,8 +133,11 @@ def test_model_json_round_trip(tmp_path):
     m.save(p)
     m2 = TransitionModel.load(p)
     assert m2.prior == 0.5 and m2.counts("app") == m.counts("app")
-    with pytest.raises(GraphError):
-        TransitionModel.from_json('{"nope": 1}')
+    with pytest.raises(GraphError, match=r"^not a transition model JSON document \(missing kvflow_transitions: 1\)$"):
+        TransitionModel.from_json('{"nope": 1}')  # said once, not wrapped in "cannot read"
+    for bad in ("[1, 2]", "not json", '{"kvflow_transitions": 2}'):
+        with pytest.raises(GraphError, match="transition model"):
+            TransitionModel.from_json(bad)
 
 
 def test_traces_jsonl_round_trip_and_errors(tmp_path):

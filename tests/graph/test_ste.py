@@ -141,8 +141,12 @@ def test_json_round_trip_keeps_joins_and_llm_flags():
     assert h.joins("x") == [["e1", "e2"]] and not h.is_llm("tool")
     for running in ({START}, {"p"}, {"e1"}, {"tool"}):
         assert h.steps_to_execution(running) == g.steps_to_execution(running)
-    with pytest.raises(GraphError):
+    with pytest.raises(GraphError, match="^not an Agent Step Graph JSON document"):
         AgentStepGraph.from_json('{"not": "a graph"}')
+    # a JSON list or a document without its graph: a GraphError, never an AttributeError
+    for bad in ("[1, 2]", "{", '{"kvflow_asg": 1}', '{"kvflow_asg": 1, "graph": 3}'):
+        with pytest.raises(GraphError, match="Agent Step Graph"):
+            AgentStepGraph.from_json(bad)
 
 
 def test_mermaid_and_dot_exports_name_every_agent_and_join():
