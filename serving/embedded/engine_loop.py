@@ -6,11 +6,12 @@ the only caller of the cache manager, the model and the pool's load side. It rea
 ``Engine.__init__`` builds (annotated on the class below) and owns none of its own.
 
 One scheduler step: first poll of new arrivals (hit, pin, start on-demand loads of host-only
-prefixes) → ``manager.tick()`` (finish due loads, start prefetches from the planner's plan) →
+prefixes) → ``manager.tick()`` (finish due loads) →
 admit ready requests in the policy's admission order (kvflow: the oldest workflow's call first,
 ``serving/policy/admission.py``; status-aware: loading ones are skipped, see ``scheduler.py``; the
 prompt's pages are allocated and ``decode_reserve`` of max_tokens' reserved at admission, the
-decode ones allocated as they are written) →
+decode ones allocated as they are written) → start prefetches from the planner's plan (after
+admission: its backups go on the FIFO copy thread first) →
 chunked prefill (``max_prefill_tokens`` per step, reusing each request's cached device prefix)
 → one batched decode over all running requests whose prefill is done.
 
@@ -182,14 +183,18 @@ class EngineLoop:
                 # demand loads go on the link before this step's prefetches
                 self._guard(req, "cache lookup", self._poll, req)
                 progress = True
-        rep = mgr.tick(self.pool.now())  # finish due loads, then plan + start prefetches
-        progress |= bool(rep.loads_finished or rep.prefetches_started)
+        rep = mgr.tick(self.pool.now(), prefetch=False)  # finish due loads
+        progress |= bool(rep.loads_finished)
         if rep.expired_workflows:
             self._update_fair_share()
         for req in sched.admission_plan(self._ready_guarded):
             if self._guard(req, "admission", self._admit, req) is False:
                 break
             progress = True
+        # Prefetches after admission: the copy thread is FIFO, so the backups admission queued
+        # (out of the pages this step's prefill writes) go before the prefetch loads. The
+        # prefetcher reserves pages for waiting requests either way (manager._session_reserve).
+        progress |= bool(mgr.prefetch(self.pool.now()))
         progress |= self._prefill()
         if any(r.decoding for r in sched.running):
             progress |= self._decode()

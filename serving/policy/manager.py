@@ -229,8 +229,9 @@ class KVCacheManager:
         return growing + sum(s.reserve_pages() for s in waiting)
 
     # ================================================================ time
-    def tick(self, now: float | None = None) -> TickReport:
-        """Once per scheduler step: land due loads, expire quiet workflows, plan prefetches."""
+    def tick(self, now: float | None = None, *, prefetch: bool = True) -> TickReport:
+        """Once per scheduler step: land due loads, expire quiet workflows, plan prefetches
+        (``prefetch=False``: the engine calls :meth:`prefetch` itself later in the step)."""
         now = self.backend.now() if now is None else now
         report = TickReport(now)
         report.loads_finished = self.store.poll_loads(now)
@@ -238,8 +239,8 @@ class KVCacheManager:
         for wf in self.tags.hints.drain_removed():  # forgotten or over the registry's bounds
             self.release_workflow(wf)
         self.gaps.tick(now)
-        if self.policy.prefetch:
-            report.prefetches_started = self._prefetch(now)
+        if prefetch and self.policy.prefetch:
+            report.prefetches_started = self.prefetch(now)
         return report
 
     def observe_step(self, seconds: float) -> None:
@@ -250,7 +251,11 @@ class KVCacheManager:
         """Prefill speed: the recompute estimate when none is configured."""
         self.loads.observe_prefill(n_tokens, seconds)
 
-    def _prefetch(self, now: float) -> list:
+    def prefetch(self, now: float | None = None) -> list:
+        """Plan and start prefetches now; returns the tags whose prefetch started."""
+        now = self.backend.now() if now is None else now
+        if not self.policy.prefetch:
+            return []
         self.store.poll_loads(now)
         return self.prefetcher.run(now)
 
@@ -263,7 +268,7 @@ class KVCacheManager:
         now = self.backend.now() if now is None else now
         self.tags.update(workflow, ste, agent=agent, step=step, app=app, client=client, now=now)
         if plan and self.policy.prefetch:
-            return self._prefetch(now)
+            return self.prefetch(now)
         return []
 
     def set_client_cap(self, pages: int | None) -> None:

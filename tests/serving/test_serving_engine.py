@@ -154,6 +154,66 @@ def test_no_page_leaks_under_concurrent_mixed_load(tiny_model, policy):
         assert sum(o.cached_tokens for o in outs) > 0
 
 
+def test_a_steps_prefetch_loads_queue_behind_its_admissions_copies(tiny_model):
+    """The CPU copy thread is FIFO and a prefill waits for the copies out of the pages it
+    writes, so a step starts its prefetches after admitting: every copy admission queues (the
+    backups of the victims its pages come from) goes on the thread before the step's prefetch
+    loads. Recorded on a real engine under pressure: concurrent workflows in a pool of ~3
+    prompts, each copy tagged with the step and the phase that queued it."""
+    with Engine(loaded=tiny_model, model="tiny-random", policy="kvflow", device_tokens=768,
+                host_tokens=4096, max_batch=4, host_link_gbps=0.05, recompute_aware=False) as eng:
+        log, phase = [], ["other"]
+
+        def tagged(name, fn):
+            def run(*a, **kw):
+                phase.append(name)
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    phase.pop()
+            return run
+
+        queue_copy = eng.pool._cpu_copy
+
+        def recorded_copy(kind, device_pages, host_pages):
+            log.append((eng.counters["steps"], phase[-1], kind))
+            return queue_copy(kind, device_pages, host_pages)
+
+        eng.pool._cpu_copy = recorded_copy  # instance attributes: what the engine thread calls
+        eng._admit = tagged("admission", eng._admit)
+        eng.manager.prefetch = tagged("prefetch", eng.manager.prefetch)
+        errors = []
+
+        def worker(k: int) -> None:
+            try:
+                for step in range(6):
+                    agent = AGENTS[(k + step) % 4]
+                    msgs = [{"role": "system", "content": system_prompt(agent)},
+                            {"role": "user", "content": f"{k}-{step}"}]
+                    h = Hints(workflow=f"w{k}", agent=agent, ste=cycle_ste(agent), step=step,
+                              fixed_messages=1)
+                    eng.chat(msgs, hints=h, max_tokens=8, ignore_eos=True, timeout=60)
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors
+    phases = {p for _, p, _ in log}
+    assert {"admission", "prefetch"} <= phases, phases  # both phases really queued copies
+    steps: dict = {}
+    for step, p, kind in log:
+        steps.setdefault(step, []).append(p)
+    both = 0
+    for step, order in steps.items():
+        if "prefetch" in order and "admission" in order:
+            both += 1
+            assert order.index("prefetch") > max(i for i, p in enumerate(order) if p == "admission"), (step, order)
+    assert both > 0  # some step admitted with copies and prefetched
+
+
 @pytest.mark.parametrize("policy", ["oracle", "oracle-pool"])
 def test_the_pool_oracle_runs_no_more_than_the_pool_holds(tiny_model, policy):
     """Two requests that do not fit the pool together: the pool oracle runs them one after the
