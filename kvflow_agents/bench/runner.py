@@ -5,7 +5,8 @@ ever busy. Each **trial** runs the workload once on every server in turn (the or
 trial), so a noisy neighbour on the machine slows every policy alike. Per policy and trial: one
 tiny request (warms the kernels) → the workload's warm-up rounds (not measured: the paper
 measures a warmed-up steady state) → read the server's cache counters (``GET
-/kvflow/v1/cache``) → the measured rounds → read them again. The counters' difference gives
+/kvflow/v1/cache``; the client collects its garbage and freezes the heap) → the measured
+rounds → read them again. The counters' difference gives
 the hit tokens per tier at match time, prefetch outcomes and load time hidden behind compute vs
 exposed; per-request ``usage`` gives TTFT and per-tier hits.
 
@@ -15,6 +16,7 @@ With ``base_url`` an already running (external) server is measured instead, as o
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -319,7 +321,15 @@ def _run_workload(label: str, trial: int, spec: WorkloadSpec, base_url: str, mod
 
         async def between() -> None:
             box["before"] = await fetch_cache_metrics(base_url, api_key)
-        res = await drv.run(between=between)
+            # The measured rounds never stop for a full collection of what came before (on
+            # this box one paused the bench's clients 70 ms, RESULTS.md §6.24): collect now,
+            # and keep the survivors out of the collector's later passes.
+            gc.collect()
+            gc.freeze()
+        try:
+            res = await drv.run(between=between)
+        finally:
+            gc.unfreeze()
         box["after"] = await fetch_cache_metrics(base_url, api_key)
         return res
     res = asyncio.run(main())
