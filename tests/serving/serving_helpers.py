@@ -7,6 +7,24 @@ import threading
 import time
 
 
+def run_concurrently(worker, n: int, timeout: float = 120.0) -> list:
+    """``worker(k)`` for k in range(n), each on its own thread; returns what they raised."""
+    errors: list = []
+
+    def run(k: int) -> None:
+        try:
+            worker(k)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a worker did not finish"
+    return errors
+
+
 def chat_hints(workflow, agent, ste, fixed_messages=1, step=0, **extra):
     """``custom_params`` for one agent's request (hints v1)."""
     return {"kvflow_v": 1, "kvflow_workflow": workflow, "kvflow_agent": agent, "kvflow_step": step,

@@ -14,7 +14,7 @@ from kvflow_agents.serving.embedded.scheduler import Request, SamplingParams, Sc
 from kvflow_agents.serving.policy import get_policy
 from kvflow_agents.testing import wait_until
 
-from serving_helpers import AGENTS, cycle_ste, system_prompt
+from serving_helpers import AGENTS, cycle_ste, run_concurrently, system_prompt
 
 
 def test_engine_sync_and_async_api(tiny_model):
@@ -115,25 +115,18 @@ def test_no_page_leaks_under_concurrent_mixed_load(tiny_model, policy):
     with Engine(loaded=tiny_model, model="tiny-random", policy=policy, device_tokens=768,
                 host_tokens=2048, max_batch=4, host_link_gbps=0.01, recompute_aware=False) as eng:
         rng = random.Random(0)
-        outs, errors = [], []
+        outs = []
 
         def worker(k: int) -> None:
-            try:
-                for step in range(4):
-                    agent = AGENTS[(k + step) % 4]
-                    msgs = [{"role": "system", "content": system_prompt(agent)},
-                            {"role": "user", "content": f"{k}-{step}" * rng.randint(1, 3)}]
-                    h = Hints(workflow=f"w{k % 2}", agent=agent, ste=cycle_ste(agent), step=step,
-                              fixed_messages=1)
-                    outs.append(eng.chat(msgs, hints=h, max_tokens=rng.randint(1, 12), ignore_eos=True,
-                                         timeout=60))
-            except Exception as e:  # pragma: no cover - reported below
-                errors.append(e)
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+            for step in range(4):
+                agent = AGENTS[(k + step) % 4]
+                msgs = [{"role": "system", "content": system_prompt(agent)},
+                        {"role": "user", "content": f"{k}-{step}" * rng.randint(1, 3)}]
+                h = Hints(workflow=f"w{k % 2}", agent=agent, ste=cycle_ste(agent), step=step,
+                          fixed_messages=1)
+                outs.append(eng.chat(msgs, hints=h, max_tokens=rng.randint(1, 12), ignore_eos=True,
+                                     timeout=60))
+        errors = run_concurrently(worker, 6)
         assert not errors and len(outs) == 24
         assert all(o.finish_reason == "length" for o in outs)
 
@@ -182,25 +175,16 @@ def test_a_steps_prefetch_loads_queue_behind_its_admissions_copies(tiny_model):
         eng.pool._cpu_copy = recorded_copy  # instance attributes: what the engine thread calls
         eng._admit = tagged("admission", eng._admit)
         eng.manager.prefetch = tagged("prefetch", eng.manager.prefetch)
-        errors = []
 
         def worker(k: int) -> None:
-            try:
-                for step in range(6):
-                    agent = AGENTS[(k + step) % 4]
-                    msgs = [{"role": "system", "content": system_prompt(agent)},
-                            {"role": "user", "content": f"{k}-{step}"}]
-                    h = Hints(workflow=f"w{k}", agent=agent, ste=cycle_ste(agent), step=step,
-                              fixed_messages=1)
-                    eng.chat(msgs, hints=h, max_tokens=8, ignore_eos=True, timeout=60)
-            except Exception as e:  # pragma: no cover - reported below
-                errors.append(e)
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors
+            for step in range(6):
+                agent = AGENTS[(k + step) % 4]
+                msgs = [{"role": "system", "content": system_prompt(agent)},
+                        {"role": "user", "content": f"{k}-{step}"}]
+                h = Hints(workflow=f"w{k}", agent=agent, ste=cycle_ste(agent), step=step,
+                          fixed_messages=1)
+                eng.chat(msgs, hints=h, max_tokens=8, ignore_eos=True, timeout=60)
+        assert not run_concurrently(worker, 4)
     phases = {p for _, p, _ in log}
     assert {"admission", "prefetch"} <= phases, phases  # both phases really queued copies
     steps: dict = {}

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import openai
 import pytest
 
 from kvflow_agents.testing import wait_until
-from serving_helpers import chat_hints
+from serving_helpers import chat_hints, run_concurrently
 
 SYSTEM = {"role": "system", "content": "You are a careful planner. Follow the plan. " * 4}
 
@@ -149,24 +148,16 @@ def test_api_key_guards_every_endpoint(serve):
 
 def test_sixteen_concurrent_streams_complete(serve):
     with serve(policy="kvflow", max_batch=16) as srv:
-        results, errors = {}, []
+        results = {}
 
         def worker(i: int) -> None:
-            try:
-                c = srv.client()
-                chunks = list(c.chat.completions.create(
-                    model="tiny-random", messages=[SYSTEM, {"role": "user", "content": f"stream {i}"}],
-                    max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True,
-                                "custom_params": chat_hints(f"wf{i % 4}", "planner", {"planner": 0})}))
-                results[i] = chunks
-            except Exception as e:  # pragma: no cover - reported below
-                errors.append(e)
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+            c = srv.client()
+            results[i] = list(c.chat.completions.create(
+                model="tiny-random", messages=[SYSTEM, {"role": "user", "content": f"stream {i}"}],
+                max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True,
+                            "custom_params": chat_hints(f"wf{i % 4}", "planner", {"planner": 0})}))
+        errors = run_concurrently(worker, 16, timeout=60)
         assert not errors and len(results) == 16
         for chunks in results.values():
             assert chunks[-1].usage.completion_tokens == 12
