@@ -239,7 +239,7 @@ class KVCacheManager:
         for wf in self.tags.hints.drain_removed():  # forgotten or over the registry's bounds
             self.release_workflow(wf)
         self.gaps.tick(now)
-        if prefetch and self.policy.prefetch:
+        if prefetch:
             report.prefetches_started = self.prefetch(now)
         return report
 
@@ -252,7 +252,8 @@ class KVCacheManager:
         self.loads.observe_prefill(n_tokens, seconds)
 
     def prefetch(self, now: float | None = None) -> list:
-        """Plan and start prefetches now; returns the tags whose prefetch started."""
+        """Plan and start prefetches now (none under a policy that does not prefetch); returns
+        the tags whose prefetch started."""
         now = self.backend.now() if now is None else now
         if not self.policy.prefetch:
             return []
@@ -267,9 +268,7 @@ class KVCacheManager:
         """Merge a hint (``{agent: steps | None}``); returns the tags whose prefetch started."""
         now = self.backend.now() if now is None else now
         self.tags.update(workflow, ste, agent=agent, step=step, app=app, client=client, now=now)
-        if plan and self.policy.prefetch:
-            return self.prefetch(now)
-        return []
+        return self.prefetch(now) if plan else []
 
     def set_client_cap(self, pages: int | None) -> None:
         """Change the per-client cap (None: none) and re-apply it to every client."""

@@ -410,25 +410,6 @@ def test_base_url_mode_against_a_recording_server(tmp_path):
     assert len({q.hints["kvflow_workflow"] for q in hinted}) == 2   # one workflow per trial
 
 
-def test_measured_rounds_run_on_a_collected_frozen_heap():
-    """The client collects garbage between the warm-up and the measured rounds and freezes what
-    survives (no full collection pauses a measured call), and unfreezes after the trial."""
-    import gc
-
-    from kvflow_agents.bench import runner
-
-    seen = []
-    spec = WorkloadSpec(agents=2, fixed=40, dynamic=8, output=2, rounds=1, warmup_rounds=1)
-    with RecordingOpenAIServer(reply=lambda body: "x y") as srv:
-        res, _ = runner._run_workload("external", 0, spec, srv.base_url, "stub",
-                                      counter=ByteLevelCounter(), api_key=None,
-                                      on_call=lambda rec: seen.append((rec.measured, gc.get_freeze_count())))
-    assert len(res.calls) == 4 and sorted(m for m, _ in seen) == [False, False, True, True]
-    assert all(n > 0 for m, n in seen if m)          # measured calls: the heap was frozen
-    assert all(n == 0 for m, n in seen if not m)     # warm-up calls: not yet
-    assert gc.get_freeze_count() == 0                # and nothing stays frozen after the trial
-
-
 def test_peer_bench_wiring_against_a_recording_server(tmp_path):
     pytest.importorskip("langgraph")
     pytest.importorskip("langchain_openai")
@@ -522,7 +503,26 @@ def test_progress_bars_grow_when_a_run_makes_more_calls_than_estimated():
     assert "6/6" in text and "6/4" not in text, text
 
 
-# ------------------------------------------------------------------------------ servers per trial
+# ------------------------------------------------------ runner: measured rounds, servers per trial
+def test_measured_rounds_run_on_a_collected_frozen_heap():
+    """The client collects garbage between the warm-up and the measured rounds and freezes what
+    survives (no full collection pauses a measured call), and unfreezes after the trial."""
+    import gc
+
+    from kvflow_agents.bench import runner
+
+    seen = []
+    spec = WorkloadSpec(agents=2, fixed=40, dynamic=8, output=2, rounds=1, warmup_rounds=1)
+    with RecordingOpenAIServer(reply=lambda body: "x y") as srv:
+        res, _ = runner._run_workload("external", 0, spec, srv.base_url, "stub",
+                                      counter=ByteLevelCounter(), api_key=None,
+                                      on_call=lambda rec: seen.append((rec.measured, gc.get_freeze_count())))
+    assert len(res.calls) == 4 and sorted(m for m, _ in seen) == [False, False, True, True]
+    assert all(n > 0 for m, n in seen if m)          # measured calls: the heap was frozen
+    assert all(n == 0 for m, n in seen if not m)     # warm-up calls: not yet
+    assert gc.get_freeze_count() == 0                # and nothing stays frozen after the trial
+
+
 def test_fresh_servers_start_each_trial_on_new_processes(monkeypatch):
     """``--fresh-servers``: every trial runs on servers started for it (so one process's luck is
     drawn again per trial); the trials' calls are merged as with one server per policy."""
