@@ -6,7 +6,8 @@ expresser again on FAIL, at most ``max_rounds`` reviews). The app is instrumente
 agent's fixed prompt is its ~1k-token system message; the same four prompts serve every
 question, so across questions the cache decides whether a prompt is recomputed.
 
-Per policy: the warm-up question(s) (not measured), then the measured questions. Questions are
+Per policy: the warm-up question(s) (not measured), then the measured questions, each asked on
+a collected, frozen client heap (``runner.settled_heap``). Questions are
 interleaved across the policies' servers (policy order rotated per question), so machine noise
 hits every policy alike. Measured per question: wall time (the workflow latency); per LLM call:
 the server-reported TTFT (``usage.kvflow.ttft_s``; the example's ``ChatOpenAI`` does not stream),
@@ -33,7 +34,7 @@ from uuid import UUID
 from kvflow_agents.serving.policy.policies import is_reference
 
 from .runner import (PolicyResult, ServerConfig, ServerSet, _add_counters, _raw, fetch_cache_metrics,
-                     finish_counters, metrics_delta, rotated, summarize_workload)
+                     finish_counters, metrics_delta, rotated, settled_heap, summarize_workload)
 from .workload import CallRecord, RoundRecord, WorkloadResult, token_counter
 
 AGENTS = ("planner", "executor", "expresser", "reviewer")
@@ -299,7 +300,8 @@ def _run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, po
         for i, q in enumerate(questions):
             for label in rotated(list(urls), i):
                 before = metrics(urls[label])
-                dt = apps[label].ask(q, i, label, True)
+                with settled_heap():
+                    dt = apps[label].ask(q, i, label, True)
                 _oob_flush()
                 counters[label] = _add_counters(counters.get(label), metrics_delta(before, metrics(urls[label])))
                 log(f"[{label}] question {q.id}: {dt:.1f}s")

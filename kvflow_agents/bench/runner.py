@@ -16,6 +16,7 @@ With ``base_url`` an already running (external) server is measured instead, as o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import math
 import time
@@ -72,6 +73,19 @@ class ServerConfig:
         return ["kvflow", "serve", *self.args(policy)]
 
     request_extra: Optional[dict] = None   # added to every request body
+
+
+@contextlib.contextmanager
+def settled_heap():
+    """Measured client work runs on a collected heap whose survivors are frozen, so it never
+    stops for a full collection of what came before (on this box one paused the bench's
+    clients 70 ms mid-run, RESULTS.md §6.24); unfrozen on exit."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def parse_policies(text: str) -> list[str]:
@@ -319,17 +333,11 @@ def _run_workload(label: str, trial: int, spec: WorkloadSpec, base_url: str, mod
                              run_id=f"{label}-t{trial}-{int(time.time())}", trial=trial,
                              on_call=on_call, extra=extra)
 
-        async def between() -> None:
-            box["before"] = await fetch_cache_metrics(base_url, api_key)
-            # The measured rounds never stop for a full collection of what came before (on
-            # this box one paused the bench's clients 70 ms, RESULTS.md §6.24): collect now,
-            # and keep the survivors out of the collector's later passes.
-            gc.collect()
-            gc.freeze()
-        try:
+        with contextlib.ExitStack() as measured:
+            async def between() -> None:
+                box["before"] = await fetch_cache_metrics(base_url, api_key)
+                measured.enter_context(settled_heap())
             res = await drv.run(between=between)
-        finally:
-            gc.unfreeze()
         box["after"] = await fetch_cache_metrics(base_url, api_key)
         return res
     res = asyncio.run(main())

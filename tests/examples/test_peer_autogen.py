@@ -381,6 +381,25 @@ def test_bench_shaped_app_records_calls_per_role():
     assert len({b["custom_params"]["kvflow_workflow"] for b in bodies}) == 2
 
 
+def test_bench_asks_measured_questions_on_a_collected_frozen_heap():
+    """``kvflow bench peer`` (here against an external stub server): the warm-up question runs
+    as usual, each measured one on a collected, frozen client heap, nothing frozen after."""
+    import gc
+
+    from kvflow_agents.bench.peer import run_peer_bench
+
+    frozen: list[int] = []
+    with RecordingOpenAIServer(reply=Script(verdicts=["PASS"])) as srv:
+        out = run_peer_bench([Q2], [Q1], _opts(framework="autogen", max_tokens=8), ["external"], None,
+                             base_url=srv.base_url, model="stub",
+                             progress=lambda what, n: frozen.append(gc.get_freeze_count())
+                             if what.startswith("advance:") else None)
+    calls = out[0].workload["calls"]
+    assert len(frozen) == 12 and calls == 6  # warm-up question: 6 calls, then the measured one
+    assert all(n == 0 for n in frozen[:6]) and all(n > 0 for n in frozen[6:])
+    assert gc.get_freeze_count() == 0
+
+
 def test_run_peer_autogen_returns_per_question_records():
     with RecordingOpenAIServer(reply=Script(verdicts=["FAIL"], default="PASS")) as srv:
         out = asyncio.run(ag.run_peer_autogen(srv.base_url, "stub", [Q1, Q2], jump="planning",
