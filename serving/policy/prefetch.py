@@ -5,9 +5,9 @@ The planner is engine-agnostic: it sees candidates (an agent's tag, its STE, how
 still on host only, its workflow's measured step time) and returns an ordered plan.
 The :class:`Prefetcher` turns the tag book's near, host-only tags into candidates, plans them
 once, and starts each under the shared limits (in-flight prefetches, the device budget beyond
-the pages queued work will need, the no-thrash rule: never evict a node whose priority is <=
-the fetched agent's STE) through a :class:`PrefetchTarget`: our tiered store, or SGLang's tree
-whose ``load_back`` starts the transfer.
+the pages queued work will need, room to lower STEs first, the no-thrash rule: never evict a
+node whose priority is <= the fetched agent's STE) through a :class:`PrefetchTarget`: our
+tiered store, or SGLang's tree whose ``load_back`` starts the transfer.
 
 Order = urgency, not arrival: ``urgency = transfer time still needed / time left before the
 agent runs`` with ``transfer = pages x seconds-per-page`` and ``time left = STE x step time``
@@ -141,8 +141,9 @@ class Prefetcher:
 
     ``reserve`` (an int, or a callable evaluated only when a prefetch needs room): device pages
     queued and admitted work will still allocate. A prefetch of ``k`` pages for STE ``s``
-    starts only if ``k <= free + evictable above s - reserve`` (M5), so the next admission
-    does not evict it unused.
+    starts only if ``k <= free + evictable above s - reserve - what this plan's candidates of
+    lower STE still need`` (M5), so neither the next admission nor a more urgent prefetch
+    evicts it unused.
 
     An agent whose own request is already waiting (``hold(tag)`` until it is admitted or
     gone) is not prefetched: that request decides, with its demand load or by recomputing
@@ -274,8 +275,11 @@ class Prefetcher:
                 metrics.prefetch_stale += 1  # a newer hint made this plan moot
         started, pending = [], set()
         reserve: int | None = None   # evaluated lazily: only when a prefetch needs room
+        claims = _RoomClaims(plan) if target.evicts else None
         for p in plan:
             c = p.candidate
+            if claims is not None:
+                claims.drop(c)  # its own pages are what the budget below is about
             k = target.host_pages(c.node)
             if k <= 0:
                 continue  # covered by a load started for a sibling agent
@@ -286,7 +290,10 @@ class Prefetcher:
                 free = target.free_pages()
                 if reserve is None:
                     reserve = self.reserved_pages
-                avail = free - reserve
+                # room goes to lower STEs first, whatever the link order (the planner puts a
+                # late load behind on-time ones): what a lower-STE candidate of this plan still
+                # needs is not this one's to take, or it is evicted unused when that one starts
+                avail = free - reserve - claims.below(c.ste)
                 if avail < k and (avail + target.evictable_pages() < k or
                                   avail + target.evictable_above(c.ste) < k):
                     pending.add(c.tag)
@@ -324,3 +331,25 @@ class Prefetcher:
 
     def forget(self, tags: Iterable) -> None:
         self.pending.difference_update(tags)
+
+
+class _RoomClaims:
+    """The device pages a plan's candidates still need, by STE: what a candidate of STE ``s``
+    must leave for those of lower STE that have not had their turn (invariant: each candidate
+    claims its pages until the executor reaches it, started or not). A fan-out's next agents
+    and another workflow's next-but-one agent otherwise took turns evicting each other's
+    prefetches unused (RESULTS.md §6.26). Few distinct STEs per plan: ``below`` is a short sum."""
+
+    __slots__ = ("_by_ste",)
+
+    def __init__(self, plan: Iterable[PlannedLoad]) -> None:
+        self._by_ste: dict = {}
+        for p in plan:
+            c = p.candidate
+            self._by_ste[c.ste] = self._by_ste.get(c.ste, 0) + c.pages
+
+    def drop(self, c: PrefetchCandidate) -> None:
+        self._by_ste[c.ste] -= c.pages
+
+    def below(self, ste: float) -> int:
+        return sum(n for s, n in self._by_ste.items() if s < ste)

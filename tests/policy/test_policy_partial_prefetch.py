@@ -1,9 +1,10 @@
 """Prefetch under memory pressure: the head of a prefix that does not fit whole is loaded
-(partial prefetch), and a tick that could start nothing new skips the planner's walk."""
+(partial prefetch), room goes to lower STEs first, and a tick that could start nothing new
+skips the planner's walk."""
 
 from __future__ import annotations
 
-from policy_driver import make_manager, put
+from policy_driver import make_manager, put, to_host
 
 
 def _setup(**kw):
@@ -51,4 +52,27 @@ def test_idle_ticks_skip_the_plan_until_something_changes(monkeypatch):
     m.update_hints("w", {"a": 3, "b": 1}, plan=False)      # a hint changed priorities
     m.tick(m.clock.t)
     assert calls == [1]
+    m.check_invariants()
+
+
+def test_room_goes_to_the_lower_ste_whatever_the_link_order():
+    """A late load (its agent runs now, STE 0) goes on the link behind an on-time one (STE 1),
+    but it takes room first: the STE-1 prefetch may not start with the pages the STE-0 one
+    needs, since that one would evict it unused when it starts (a fan-out's prefetches
+    thrashed this way: RESULTS.md §6.26)."""
+    m = make_manager("kvflow", page_size=1, device_pages=20, host_pages=100, link=100.0,
+                     min_partial_prefetch_pages=0)
+    a, b = list(range(100, 108)), list(range(200, 208))
+    m.update_hints("w", {"a": 3, "b": 4}, plan=False)
+    to_host(m, a, "a")
+    to_host(m, b, "b")
+    m.lock(m.insert(list(range(300, 312)), m.allocate(12)))  # running: room for one prefix
+    m.update_hints("w", {"a": 0, "b": 1}, plan=False)
+    plan = m.planner.plan(m.prefetcher.candidates(m.clock.t))
+    assert [(p.candidate.tag, p.on_time) for p in plan] == [(("w", "b"), True), (("w", "a"), False)]
+    assert m.tick(m.clock.t).prefetches_started == [("w", "a")]
+    assert ("w", "b") in m.prefetcher.pending
+    m.clock.t = 1e6
+    m.tick(m.clock.t)
+    assert m.agent_residency("w", "a") == "device" and m.metrics.prefetch_wasted == 0
     m.check_invariants()
