@@ -186,12 +186,14 @@ def test_a_steps_prefetch_loads_queue_behind_its_admissions_copies(tiny_model):
             return any("prefetch" in o and "admission" in o for o in phases_by_step().values())
 
         # Whether a step both admits with copies and prefetches depends on timing: run rounds
-        # of fresh workflows until some steps did (each round ~0.5 s).
+        # of fresh workflows until some steps did (each round ~0.5 s). Each round has prompts
+        # of its own: with the last round's prompts cached, admissions rarely need to evict
+        # (about one round in ten had such a step; with new prompts, one or more per round).
         for r in range(10):
             def worker(k: int, r=r) -> None:
                 for step in range(6):
                     agent = AGENTS[(k + step) % 4]
-                    msgs = [{"role": "system", "content": system_prompt(agent)},
+                    msgs = [{"role": "system", "content": f"round {r}. " + system_prompt(agent)},
                             {"role": "user", "content": f"{r}-{k}-{step}"}]
                     h = Hints(workflow=f"r{r}w{k}", agent=agent, ste=cycle_ste(agent), step=step,
                               fixed_messages=1)

@@ -68,6 +68,16 @@ def test_simulator_conforms(reference):
     compare("simulator", seen, reference)
 
 
+def _observe_after_loads_land(e):
+    """On the engine thread: the reference's link is instant (a started load lands at once);
+    here a prefetch started in the step that finished the request is still copying, and lands
+    at the next step's tick, which the observation could otherwise beat (a race CI once lost:
+    C "loading" where the core says "device"). Land it as that tick would, then look."""
+    e.pool.synchronize()
+    e.manager.tick(e.pool.now(), prefetch=False)
+    return e.manager.snapshot(), e.manager.metrics.prefetch_issued
+
+
 def test_embedded_engine_conforms(reference):
     pytest.importorskip("torch")
     from kvflow_agents.serving.embedded.engine import Engine, SamplingParams
@@ -91,7 +101,7 @@ def test_embedded_engine_conforms(reference):
             assert done.wait(60), f"request {r.index} did not finish"
             comp = box[0]
             assert comp.finish_reason == "length", comp
-            snap = eng.call(lambda e: (e.manager.snapshot(), e.manager.metrics.prefetch_issued))
+            snap = eng.call(_observe_after_loads_land)
             seen.append(observe(r, comp.device_hit_tokens, comp.host_hit_tokens, snap[0]["agents"],
                                 snap[1]))
         eng.call(lambda e: e.manager.check_invariants())
