@@ -10,7 +10,9 @@ The server runs as ``<this python> -m kvflow_agents.cli.main serve ARGS --host H
 signals its whole process group. Its stdout/stderr go to a temporary log file, never to a pipe
 (a chatty server cannot block on a full pipe). :meth:`ServeProcess.start` polls
 ``GET /health`` until it answers 200; if the process exits first, or the timeout passes, it
-stops the process, keeps the log and raises :class:`ServerStartError` with the log's tail.
+stops the process, keeps the log and raises :class:`ServerStartError` with the log's tail. A
+port it picked itself that was taken before the server bound it (servers starting side by
+side: an SGLang server picks internal ports of its own) is picked again, twice at most.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class ServeProcess:
         self.args = list(args)
         self.health_headers = dict(health_headers or {})
         self.host = host
+        self._auto_port = not port  # chosen here: another may be picked if it is taken meanwhile
         self.port = port or free_port(host)
         self.timeout_s = timeout_s
         self.command = list(command) if command else [sys.executable, "-m", "kvflow_agents.cli.main", "serve"]
@@ -91,7 +94,29 @@ class ServeProcess:
     def log_tail(self, lines: int = 40) -> str:
         return _tail(self.log_path, lines) if self.log_path else "(server not started)"
 
+    PORT_RETRIES = 2
+
     def start(self) -> "ServeProcess":
+        """Spawn the server and wait until it is healthy. A port picked here is free when it is
+        picked, not when the server binds it: if another process (e.g. a server starting
+        beside it, whose internal ports are its own choice) took it meanwhile, the server
+        exits with "address already in use" and is started again on a new port."""
+        retries = 0
+        while True:
+            try:
+                return self._start_once()
+            except ServerStartError:
+                if not (self._auto_port and retries < self.PORT_RETRIES and self._port_was_taken()):
+                    raise
+            retries += 1
+            self.keep_log = False
+            self.stop()  # (already stopped: this drops the failed attempt's log)
+            self.port = free_port(self.host)
+
+    def _port_was_taken(self) -> bool:
+        return "address already in use" in self.log_tail(200).lower()
+
+    def _start_once(self) -> "ServeProcess":
         fd, name = tempfile.mkstemp(prefix="kvflow-serve-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)
