@@ -1,5 +1,7 @@
 """``kvflow bench``: the synthetic workload (token lengths, hint sequences over the wire), the
-report (ratios, targets) and one small real run through the CLI (two embedded servers).
+report (ratios, targets), the CLI (one small real run on two embedded servers, an external
+server), the paper-regime preset, the cache-cost saving and progress bars, and the runner
+(measured rounds, servers per trial); a section each, in that order.
 
 No timed assertions: the numbers depend on the machine. Only shapes, fields and invariants."""
 
@@ -429,6 +431,7 @@ def test_peer_bench_wiring_against_a_recording_server(tmp_path):
     assert doc["targets"] == []  # an external server is not judged against the targets
 
 
+# ------------------------------------------------------------------------ paper regime preset
 def test_paper_regime_target_and_fit():
     from kvflow_agents.bench.calibrate import _fit_ratio, paper_recompute_ratio
 
@@ -465,6 +468,7 @@ def test_paper_regime_probes_a_served_engine():
     assert cal.recompute_fit_s > 0 and cal.ratio_fit > 0
 
 
+# ------------------------------------------------------------ cache-cost saving, progress bars
 def test_cache_cost_saving_from_counters():
     """Recomputed tokens x calibrated s/token + exposed load: the saving ratio on it."""
     def res(p, miss, exposed):

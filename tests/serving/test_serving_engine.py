@@ -182,8 +182,9 @@ def test_a_steps_prefetch_loads_queue_behind_its_admissions_copies(tiny_model):
                 steps.setdefault(step, []).append(p)
             return steps
 
-        def both_in_one_step() -> bool:
-            return any("prefetch" in o and "admission" in o for o in phases_by_step().values())
+        def steps_with_both() -> list:  # steps whose admission and prefetch both queued copies
+            return [(step, order) for step, order in phases_by_step().items()
+                    if "prefetch" in order and "admission" in order]
 
         # Whether a step both admits with copies and prefetches depends on timing: run rounds
         # of fresh workflows until some steps did (each round ~0.5 s). Each round has prompts
@@ -199,10 +200,9 @@ def test_a_steps_prefetch_loads_queue_behind_its_admissions_copies(tiny_model):
                               fixed_messages=1)
                     eng.chat(msgs, hints=h, max_tokens=8, ignore_eos=True, timeout=60)
             assert not run_concurrently(worker, 4)
-            if both_in_one_step():
+            if steps_with_both():
                 break
-    steps = phases_by_step()
-    both = [(step, order) for step, order in steps.items() if "prefetch" in order and "admission" in order]
+        both = steps_with_both()
     assert both  # some step admitted with copies and prefetched
     for step, order in both:
         last_admission = max(i for i, p in enumerate(order) if p == "admission")
