@@ -191,6 +191,16 @@ class KVCacheManager:
             if s is not keep:
                 s.unpin()
 
+    def unpin_if_stuck(self, keep: RequestSession) -> bool:
+        """Deadlock breaker: when ``keep`` finds no device room while no request runs and no
+        load is in flight, only the other waiting sessions' pins hold the room, and nothing
+        would release them (an engine that makes them wait behind ``keep``); unpin them.
+        True if it did (the caller tries again)."""
+        if self._running or self.store.loads.in_flight:
+            return False
+        self.unpin_waiting(keep=keep)
+        return True
+
     def _admitted(self, s: RequestSession) -> None:
         if self._waiting.pop(id(s), None) is not None and s.tag is not None:
             self.prefetcher.unhold(s.tag)

@@ -29,9 +29,10 @@ from the cache, and decodes on).
 
 The session pins (locks) its matched path from the first look until it finishes, so nothing
 it matched, nor a load started for it, is evicted while it waits. If the device is then too
-full for the oldest waiting request while nothing runs and nothing loads, the manager unpins
-the other waiting sessions (they look again later); if it still does not fit, ``admit`` raises
-:class:`CacheFullError`.
+full for a waiting request's admission or demand load while nothing runs and nothing loads,
+the manager unpins the other waiting sessions (they look again later; their pins would
+otherwise hold the room until admission, which may wait for this request); if an admission
+still does not fit, ``admit`` raises :class:`CacheFullError`.
 
 Decode pages (``KVCacheManager(lazy_decode=True)``, as SGLang and vLLM allocate them): ``admit``
 allocates the prompt's pages and *reserves* the rest of ``kv_tokens`` (``decode_reserved``);
@@ -170,6 +171,8 @@ class RequestSession:
         self._relock(m.node)
         now = store.backend.now()
         ready, reason = store.demand_load(m, recompute_s=recompute_s)
+        if reason == "no_room" and self._mgr.unpin_if_stuck(keep=self):
+            ready, reason = store.demand_load(m, recompute_s=recompute_s)
         if ready is None:
             if reason == "recompute":
                 self.recompute_host = True
@@ -273,8 +276,7 @@ class RequestSession:
         need = self._upfront_pages() - len(prefix)
         later = self._decode_reserve()
         new = store.allocate(need) if mgr.room_for(need + later) else None
-        if new is None and not mgr.admitted_sessions and not store.loads.in_flight:
-            mgr.unpin_waiting(keep=self)  # deadlock breaker: pinned waiters hold the room
+        if new is None and mgr.unpin_if_stuck(keep=self):
             new = store.allocate(need) if mgr.room_for(need + later) else None
             if new is None:
                 raise CacheFullError(f"{need + later} device pages needed; the pool holds "

@@ -128,6 +128,42 @@ def test_deadlock_breaker_unpins_other_waiters_then_cache_full():
         huge.admit()
 
 
+@pytest.mark.parametrize("policy", ["hicache", "kvflow"])
+def test_deadlock_breaker_unpins_other_waiters_for_a_demand_load(policy):
+    """A request whose host-only prefix finds no device room while nothing runs and nothing
+    loads: the room is held by other waiting requests' pins, which only admission would
+    release. An engine that makes it wait for its load (head-of-line) would wait forever (a
+    kvflow server without the status-aware skip hung for minutes in the fan-out bench); the
+    manager unpins the other waiters, as for an admission."""
+    m = make_manager(policy, page_size=1, device_pages=8, host_pages=32, link=1.0)
+    to_host(m, [5] * 6, "A")
+    put(m, [2] * 4)
+    waiter = m.arrive([2] * 4 + [3], kv_tokens=5)
+    assert waiter.poll().ready                          # pins [2]*4: 4 pages left
+    head = m.arrive([5] * 6 + [6], hint("A", {"A": 0}), fixed_len=6, kv_tokens=7)
+    p = head.poll()                                     # 6 pages to load
+    assert (p.state, p.reason, p.ready_at) == (LOADING, "demand_load", pytest.approx(6.0))
+    assert not waiter.looked and m.metrics.demand_loads == 1
+    m.clock.t = 6.0
+    assert head.poll().ready and head.admit() and head.reused == 6
+    m.check_invariants()
+
+
+def test_waiters_keep_their_pins_while_a_request_runs():
+    """The breaker above is for a stuck engine only: a running request will free its pages."""
+    m = make_manager("kvflow", page_size=1, device_pages=8, host_pages=32, link=1.0)
+    to_host(m, [5] * 6, "A")
+    put(m, [2] * 4)
+    running = m.arrive([9] * 3, kv_tokens=3)
+    assert running.poll().ready and running.admit()
+    waiter = m.arrive([2] * 4 + [3], kv_tokens=5)
+    waiter.poll()
+    head = m.arrive([5] * 6 + [6], hint("A", {"A": 0}), fixed_len=6, kv_tokens=7)
+    assert head.poll().reason == "no_room" and waiter.looked
+    running.finish(running.tokens, 3)                   # its 3 pages stay cached: 4 < 6
+    assert head.poll().state is LOADING and not waiter.looked  # now nothing runs: the breaker
+
+
 def test_finish_before_admission_and_twice_is_harmless():
     m = make_manager("kvflow", page_size=1, device_pages=8, host_pages=8)
     s = m.arrive([1, 2, 3], hint("A", {"A": 0}))

@@ -47,6 +47,23 @@ def test_serve_eviction_flags_reach_the_store(monkeypatch, flags, partial, lazy)
     assert ("decode pages lazy" if lazy else "decode pages upfront") in r.output
 
 
+@pytest.mark.parametrize("policy, flags, aware", [("kvflow", [], True), ("hicache", [], False),
+                                                  ("kvflow", ["--no-status-aware"], False),
+                                                  ("hicache", ["--status-aware"], True)])
+def test_serve_status_aware_flag_reaches_the_scheduler(monkeypatch, policy, flags, aware):
+    """Skipping requests whose prefix is loading is the policy's default unless a flag says
+    otherwise (the benches compare both with --policy-variant)."""
+    import uvicorn
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("eng", app.state.engine))
+    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512",
+                                 "--policy", policy] + flags, env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert seen["eng"].scheduler.status_aware is aware
+    assert ("(status-aware)" in r.output) is aware
+
+
 @pytest.mark.parametrize("flags, reserve", [([], 0.25), (["--decode-reserve", "0.5"], 0.5),
                                             (["--decode-reserve", "0.5", "--deterministic"], 0.5)])
 def test_serve_decode_reserve_reaches_the_manager(monkeypatch, flags, reserve):
