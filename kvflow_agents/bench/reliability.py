@@ -18,7 +18,9 @@ row per check: how many cases were tried, how many failed, and the figure the ch
 | kill -9 | the server is killed mid-load and restarted on its port | a request fails after the restart |
 | determinism | greedy outputs alone vs batched, default and ``--deterministic`` | the deterministic run differs |
 
-The requests it sends and the seeded fuzz corpus: :mod:`.reliability_corpus`.
+The requests it sends and the seeded fuzz corpus: :mod:`.reliability_corpus`; the plan, rows and
+helpers: :mod:`.reliability_base`; the tenant rows (cross-tenant, flood vs quiet):
+:mod:`.reliability_tenants`.
 
 ``--quick`` runs every row with small counts (seconds; ``make test`` runs it through
 ``tests/reliability``); the full run is ``kvflow bench reliability`` (README "Reliability").
@@ -32,124 +34,24 @@ import math
 import os
 import signal
 import socket
-import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import httpx
 
-from kvflow_agents.protocol import Hints, hint_only_completion
-
+from .reliability_base import (HEALTH_BUDGET_S, Plan, Row, auth, client, keys_file, metric,
+                               rss_mb, sse_ok)
 from .reliability_corpus import TINY, Case, chat_body, dumps, fuzz_cases, hint
+from .reliability_tenants import TenantRows
 from .server import BenchServer
 
-HEALTH_BUDGET_S = 0.100
-KEYS = {"alice": "rel-key-alice", "bob": "rel-key-bob", "fuzz": "rel-key-fuzz",
-        "quiet": "rel-key-quiet", "flood": "rel-key-flood"}
-
-
-# ================================================================ plan and results
-@dataclass
-class Plan:
-    fuzz_cases: int = 5200
-    isolation_rounds: int = 40
-    health_requests: int = 3
-    disconnects: int = 200
-    slow_clients: int = 8
-    hint_rounds: int = 3
-    hint_posts: int = 2000
-    hint_agents: int = 1024
-    flood_rounds: int = 8
-    flood_workflows: int = 40
-    flood_posts: int = 1720
-    flood_baseline: bool = True          # also run the flood with --client-cap off
-    cross_tenant: int = 120
-    soak_workflows: int = 64
-    soak_s: float = 600.0
-    restarts: int = 1
-    restart_requests: int = 50
-    det_model: str = "smollm2-135m"
-    det_prompts: int = 12
-    health_model: str = "smollm2-135m"
-    lease_s: float = 3.0                 # the main server's lease (hint memory waits 2 leases)
-
-    @classmethod
-    def quick(cls) -> "Plan":
-        return cls(fuzz_cases=240, isolation_rounds=3, health_requests=1, disconnects=16,
-                   slow_clients=2, hint_rounds=2, hint_posts=30, hint_agents=256, flood_rounds=3,
-                   flood_workflows=8, flood_posts=60, flood_baseline=False, cross_tenant=12,
-                   soak_workflows=8, soak_s=4.0, restart_requests=8, det_model=TINY, det_prompts=6,
-                   health_model=TINY, lease_s=1.5)
-
-
-@dataclass
-class Row:
-    """One check. ``failed`` counts correctness failures (a dropped connection, a 5xx, a leak: 0
-    whatever the machine's load); ``target`` is a measured figure against its target (latency,
-    shares, memory growth): True met, False missed, None when the row has none."""
-
-    name: str
-    tried: int
-    failed: int
-    figure: str
-    detail: dict = field(default_factory=dict)
-    target: Optional[bool] = None
-
-    @property
-    def ok(self) -> bool:
-        return self.failed == 0 and self.target is not False
-
-
-# ================================================================ small helpers
-def rss_mb(pid: int) -> float:
-    """Resident set size of a process in MB (Linux /proc; NaN elsewhere)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return math.nan
-
-
-def metric(text: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples (exact name, any labels)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and len(line) > len(name) and line[len(name)] in "{ ":
-            total += float(line.split()[-1])
-    return total
-
-
-def auth(tenant: str) -> dict:
-    return {"Authorization": f"Bearer {KEYS[tenant]}"}
-
-
-def client(srv: Any, tenant: str, *, timeout: float = 60.0, sync: bool = False, headers: Optional[dict] = None,
-           **kw: Any) -> Any:
-    """An httpx client of ``srv`` as ``tenant``; never through an environment proxy (127.0.0.1)."""
-    cls = httpx.Client if sync else httpx.AsyncClient
-    return cls(base_url=srv.url, timeout=timeout, headers={**auth(tenant), **(headers or {})},
-               trust_env=False, **kw)
-
-
-def keys_file() -> str:
-    fd, path = tempfile.mkstemp(prefix="kvflow-rel-keys-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(KEYS, f)
-    return path
-
-
-def sse_ok(text: str) -> bool:
-    events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
-    return bool(events) and events[-1] == "[DONE]" and not any('"error"' in e for e in events[:-1])
+__all__ = ["Plan", "Row", "Suite", "to_json", "table", "markdown", "plot"]
 
 
 # ================================================================ the suite
-class Suite:
+class Suite(TenantRows):
     def __init__(self, plan: Plan, *, seed: int = 0, log: Callable[[str], None] = print,
                  progress: Optional[Callable[[str, int], None]] = None) -> None:
         self.plan, self.seed, self.log = plan, seed, log
@@ -457,138 +359,6 @@ class Suite:
         return Row("slow clients (slowloris, slow body, idle)", len(socks) + 20, not_closed + (20 - ok_normal),
                    f"{len(socks) - not_closed}/{len(socks)} cut off (last after {worst:.1f} s; timeouts 2 s); "
                    f"{ok_normal}/20 normal requests served meanwhile", {"not_closed": not_closed})
-
-    # ------------------------------------------------------------ tenants
-    async def cross_tenant(self, srv: BenchServer) -> Row:
-        secret_wf, secret_app = "alpha-secret-workflow", "alpha-secret-app"
-        private = "alpha-private-workflow-7f3e"  # bob never names this one: seeing it is a leak
-        system = "You are the alpha planner with a private prompt. " * 6
-        async with client(srv, "alice") as a, \
-                client(srv, "bob") as b:
-            async def alice_state() -> dict:
-                rep = (await a.get("/kvflow/v1/cache")).json()
-                return {(w["workflow"], x["agent"]): x["ste"] for w in rep["workflows"] for x in w["agents"]}
-
-            async def refresh() -> None:
-                for wf, app in ((secret_wf, None), ("w2", secret_app), (private, None)):
-                    params = hint(wf, "planner", {"planner": 0, "coder": 1}, kvflow_fixed_messages=1)
-                    if app:
-                        params["kvflow_app"] = app
-                    r = await a.post("/v1/chat/completions", json=chat_body("go", system=system, custom_params=params))
-                    assert r.status_code == 200
-            attempts = [
-                ("GET", "/kvflow/v1/cache", None, {}), ("GET", "/kvflow/v1/cache?format=text", None, {}),
-                ("GET", "/metrics", None, {}),
-                ("POST", "/kvflow/v1/hints", hint(secret_wf, "x", {}, kvflow_event="end"), {}),
-                ("POST", "/kvflow/v1/hints", hint(secret_wf, "x", {"planner": None, "coder": None}), {}),
-                ("POST", "/kvflow/v1/hints", hint("w2", "x", {}, kvflow_app=secret_app, kvflow_event="end"), {}),
-                ("POST", "/kvflow/v1/hints", hint("w2", "x", {"planner": None}, kvflow_app=secret_app), {}),
-                ("POST", "/kvflow/v1/hints", hint(f"alice::{secret_wf}", "x", {}, kvflow_event="end"), {}),
-                ("POST", "/kvflow/v1/hints", hint(secret_wf, "x", {}, kvflow_app="alice::", kvflow_event="end"), {}),
-                ("POST", "/kvflow/v1/hints", hint(secret_wf, "x", {"planner": None}), {"x-kvflow-tenant": "alice"}),
-                ("POST", "/v1/chat/completions",
-                 chat_body("hi", custom_params=hint(secret_wf, "planner", {"planner": None, "coder": None})), {}),
-                ("POST", "/v1/chat/completions", chat_body("hi"),
-                 {"X-KVFlow-Workflow": secret_wf, "X-KVFlow-Agent": "coder"}),
-                ("POST", "/v1/completions", {**hint_only_completion(Hints(workflow=secret_wf, agent="x"), "end"),
-                                             "model": TINY}, {}),
-                ("POST", "/flush_cache", None, {}),       # operator endpoints: every tenant's cache
-                ("POST", "/kvflow/v1/drain", None, {}),
-            ]
-            successes, tried, examples = 0, 0, []
-            secrets = (private, "alpha planner")
-            for i in range(self.plan.cross_tenant):
-                method, path, body, hdrs = attempts[i % len(attempts)]
-                await refresh()  # alice's lease runs from here: her state is only bob's to change
-                expected = await alice_state()
-                r = await b.request(method, path, json=body, headers=hdrs)
-                tried += 1
-                leaked = any(s in r.text for s in secrets)
-                await asyncio.sleep(0.05)
-                changed = (await alice_state()) != expected
-                if path in ("/flush_cache", "/kvflow/v1/drain"):
-                    changed |= r.status_code < 400
-                    await a.delete("/kvflow/v1/drain")
-                if leaked or changed:
-                    successes += 1
-                    examples.append(f"{method} {path} {body}: leaked={leaked} changed={changed}")
-                self.progress("advance:cross-tenant", 1)
-        return Row("cross-tenant attempts (read / end / null / spoof)", tried, successes,
-                   f"{successes} succeeded", {"examples": examples[:5]})
-
-    async def _quiet_share(self, srv: BenchServer, flood: bool) -> tuple[float, dict]:
-        """Device-hit share of the quiet tenant's cycle of 3 agents (fixed prompts), alone or
-        while the flood tenant runs ``flood_workflows`` workflows at STE 0 and floods hints."""
-        p = self.plan
-        agents = ["plan", "code", "review"]
-        prompts = {a: f"[{a}] You are the {a} agent of the quiet team. Rule {a}. " * 4 for a in agents}
-        stop = asyncio.Event()
-        stats = {"flood_requests": 0, "flood_posts": 0, "quiet_errors": 0}
-        async with client(srv, "quiet", timeout=120) as q, \
-                client(srv, "flood", timeout=120) as f:
-            async def flood_requests() -> None:
-                i = 0
-                while not stop.is_set():
-                    wf = f"flood-{i % p.flood_workflows}"
-                    params = hint(wf, "hog", {"hog": 0}, kvflow_fixed_messages=1)
-                    await f.post("/v1/chat/completions", json=chat_body(
-                        f"{i}", max_tokens=2, system=f"[flood {wf}] Hog the cache. " * 20, custom_params=params))
-                    stats["flood_requests"] += 1
-                    i += 1
-
-            async def flood_hints() -> None:
-                i = 0
-                while not stop.is_set() and stats["flood_posts"] < p.flood_posts:
-                    wf = f"flood-{i % p.flood_workflows}"
-                    await f.post("/kvflow/v1/hints", json=hint(wf, "tool", {"hog": 0, **{f"x{j}": 0 for j in range(40)}}))
-                    stats["flood_posts"] += 1
-                    i += 1
-                    await asyncio.sleep(0.005)
-            tasks = [asyncio.create_task(t()) for t in (flood_requests, flood_hints)] if flood else []
-            if flood:
-                await asyncio.sleep(2.0)  # let the flood fill the cache first
-            dev = total = 0
-            for rnd in range(p.flood_rounds):
-                for k, a in enumerate(agents):
-                    ste = {b: (j - k) % len(agents) for j, b in enumerate(agents)}
-                    r = await q.post("/v1/chat/completions", json=chat_body(
-                        f"round {rnd} step {k}", system=prompts[a],
-                        custom_params=hint("quiet-wf", a, ste, kvflow_step=3 * rnd + k, kvflow_fixed_messages=1)))
-                    if r.status_code != 200:
-                        stats["quiet_errors"] += 1
-                        continue
-                    u = r.json()["usage"]
-                    if rnd > 0:  # round 0 fills the cache
-                        dev += u["kvflow"]["device_hit_tokens"]
-                        total += u["prompt_tokens"]
-                    await asyncio.sleep(0.05)  # the quiet tenant is quiet
-                self.progress("advance:flood vs quiet", 1)
-            stop.set()
-            for t in tasks:
-                await t
-        return (dev / total if total else math.nan), stats
-
-    def flood(self) -> Row:
-        p = self.plan
-        base = ("--lease-s", "30",)
-        shares: dict[str, float] = {}
-        stats: dict = {}
-        runs = [("alone", (), False), ("flood, fair share", (), True)]
-        if p.flood_baseline:
-            runs.append(("flood, --client-cap off", ("--client-cap", "off"), True))
-        for label, extra, flood in runs:
-            srv = self.server(*base, *extra).start()
-            try:
-                shares[label], stats[label] = asyncio.run(self._quiet_share(srv, flood))
-            finally:
-                srv.stop()
-        ratio = shares["flood, fair share"] / shares["alone"] if shares["alone"] else math.nan
-        fig = f"quiet device-hit share {shares['alone']:.2f} alone, {shares['flood, fair share']:.2f} " \
-              f"under flood = {ratio:.2f}x (target >= 0.9)"
-        if "flood, --client-cap off" in shares:
-            fig += f"; without the cap {shares['flood, --client-cap off']:.2f}"
-        return Row("flood vs quiet tenant", p.flood_rounds * 3 * len(runs), sum(s["quiet_errors"] for s in stats.values()),
-                   fig, {"shares": shares, "ratio": ratio, "flood": stats}, target=ratio >= 0.9)
 
     # ------------------------------------------------------------ hint memory
     async def hint_memory(self, srv: BenchServer) -> Row:

@@ -20,7 +20,8 @@ Admission rule (status-aware continuous batching):
 - no starvation: a skipped request keeps its place, so it is the first candidate once its load
   lands (a load finishes in bounded time); one skipped for longer than ``max_skip_s`` (its load
   could not even start, e.g. no device room) blocks younger requests until it is ready (age
-  rule); and a ready request that could not get memory stops admission (younger requests may
+  rule; if only the pins of the waiting requests behind it hold the room, its next poll
+  releases them: the session's deadlock breaker); and a ready request that could not get memory stops admission (younger requests may
   not overtake it, or a large one could wait forever);
 - admission is bounded by batch slots and device memory; the engine then prefills admitted
   requests in chunks (``EngineConfig.max_prefill_tokens`` per step).
