@@ -255,7 +255,14 @@ def run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, pol
                    server: Optional[ServerConfig], *, base_url: Optional[str] = None,
                    model: str = "smollm2-135m", api_key: Optional[str] = None,
                    progress: Optional[Callable[[str, int], Any]] = None, keep_raw: bool = False,
+                   fresh_servers: bool = False,
                    log: Callable[[str], Any] = lambda s: None) -> list[PolicyResult]:
+    """Every policy's server asks the warm-up question(s), then the measured ones (policy order
+    rotated per question). ``fresh_servers``: every measured question runs on servers started
+    for it, each warmed up with the warm-up question(s) first, so what one server process drew
+    (a whole process runs up to ~20 % faster or slower from one start to the next, RESULTS.md
+    §6.25: the same call decoded at 55-91 ms per token between columns, §6.20) is drawn again
+    per question instead of biasing a column for the whole run."""
     check_available()
     from kvflow_agents.context import set_hint_transform
 
@@ -267,7 +274,7 @@ def run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, pol
     try:
         return _run_peer_bench(questions, warmup, opts, policies, server, base_url=base_url,
                                model=model, api_key=api_key, progress=progress, keep_raw=keep_raw,
-                               log=log)
+                               fresh_servers=fresh_servers, log=log)
     finally:
         set_hint_transform(None)
 
@@ -275,9 +282,9 @@ def run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, pol
 def _run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, policies: Sequence[str],
                     server: Optional[ServerConfig], *, base_url: Optional[str], model: str,
                     api_key: Optional[str], progress: Optional[Callable[[str, int], Any]],
-                    keep_raw: bool, log: Callable[[str], Any]) -> list[PolicyResult]:
+                    keep_raw: bool, fresh_servers: bool, log: Callable[[str], Any]) -> list[PolicyResult]:
     counters: dict[str, Optional[dict]] = {}
-    apps: dict[str, PeerApp] = {}
+    apps: dict[str, list[PeerApp]] = {}   # label -> one app per server set it ran on
 
     def metrics(url: str) -> Optional[dict]:
         return asyncio.run(fetch_cache_metrics(url, api_key))
@@ -286,45 +293,60 @@ def _run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, po
     if opts.framework == "autogen":
         from examples.peer_financial_qa.autogen_app import AutoGenPeerApp as app_cls
 
-    def run_all(urls: dict[str, str]) -> None:
+    sets = len(questions) if fresh_servers else 1
+    if progress is not None:
+        for label in (["external"] if base_url else policies):  # ~8 calls per question
+            progress(f"start:{label}", (len(questions) + sets * len(warmup)) * 8)
+
+    def run_set(urls: dict[str, str], measured: Sequence[int], set_no: int) -> None:
+        """The warm-up question(s), then the ``measured`` questions, on one set of servers."""
         for label, url in urls.items():
-            apps[label] = app_cls(url, model, opts, api_key,
-                                  on_call=(lambda rec, lb=label: progress(f"advance:{lb}", 1))
-                                  if progress is not None else None)
-            if progress is not None:
-                progress(f"start:{label}", (len(questions) + len(warmup)) * 8)  # ~8 calls/question
+            apps.setdefault(label, []).append(app_cls(
+                url, model, opts, api_key,
+                on_call=(lambda rec, lb=label: progress(f"advance:{lb}", 1)) if progress is not None else None))
         for i, q in enumerate(warmup):  # warm-up: every server sees the same question(s)
+            wf = -1 - i - set_no * len(warmup)   # negative: unmeasured; unique per server set
             for label in rotated(list(urls), i):
-                log(f"[{label}] warm-up question {q.id}: {apps[label].ask(q, -1 - i, label, False):.1f}s")
+                log(f"[{label}] warm-up question {q.id}: {apps[label][-1].ask(q, wf, label, False):.1f}s")
         _oob_flush()
-        for i, q in enumerate(questions):
+        for i in measured:
+            q = questions[i]
             for label in rotated(list(urls), i):
                 before = metrics(urls[label])
                 with settled_heap():
-                    dt = apps[label].ask(q, i, label, True)
+                    dt = apps[label][-1].ask(q, i, label, True)
                 _oob_flush()
                 counters[label] = _add_counters(counters.get(label), metrics_delta(before, metrics(urls[label])))
                 log(f"[{label}] question {q.id}: {dt:.1f}s")
 
     if base_url:
-        run_all({"external": base_url})
+        run_set({"external": base_url}, range(len(questions)), 0)
         argv = {"external": [base_url]}
         startup = {"external": 0.0}
     else:
         assert server is not None
-        with ServerSet(server, policies, log=log) as ss:
-            run_all({p: ss.servers[p].base_url for p in policies})
-            argv = {p: ss.argv(p) for p in policies}
-            startup = {p: ss.servers[p].started_s for p in policies}
+        started: dict[str, list[float]] = {p: [] for p in policies}
+        quiet: Callable[[str], Any] = lambda s: None  # noqa: E731
+        for k in range(sets):
+            with ServerSet(server, policies, log=log if k == 0 else quiet) as ss:
+                for p in policies:
+                    started[p].append(ss.servers[p].started_s)
+                run_set({p: ss.servers[p].base_url for p in policies},
+                        [k] if fresh_servers else range(len(questions)), k)
+        argv = {p: server.display_argv(p) for p in policies}
+        startup = {p: sum(v) / len(v) for p, v in started.items()}
     out = []
-    for label, pa in apps.items():
-        res = pa.result
-        res.calls = list(pa.capture.calls)
+    for label, runs in apps.items():
+        res = WorkloadResult(calls=[c for pa in runs for c in pa.capture.calls],
+                             rounds=[r for pa in runs for r in pa.result.rounds],
+                             measured_s=sum(pa.result.measured_s for pa in runs))
         summary = summarize_workload(res)
-        summary["instrumented"] = pa.instrumented
-        summary["answers"] = [a for a in pa.answers if a["measured"]]
+        summary["instrumented"] = all(pa.instrumented for pa in runs)
+        summary["answers"] = [a for pa in runs for a in pa.answers if a["measured"]]
         summary["calls_per_agent"] = {a: sum(1 for c in res.calls if c.measured and c.agent == a)
                                       for a in AGENTS}
+        if fresh_servers:
+            summary["server_sets"] = len(runs)
         if server is not None:  # what no policy could have had on device with this pool
             summary["pool_bound"] = _pool_bound(res, server, label)
         out.append(PolicyResult(label, summary, finish_counters(counters.get(label)), argv[label],

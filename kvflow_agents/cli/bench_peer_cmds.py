@@ -61,6 +61,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         next_run: bool = typer.Option(True, help="The app's hints name the next question's planner while "
                                       "the reviewer runs (kvflow.instrument(next_run=True)): questions come "
                                       "one after another."),
+        fresh_servers: bool = typer.Option(False, help="Start every policy's server again for each "
+                                                       "measured question (each warmed up with the "
+                                                       "warm-up question(s) first): what one process "
+                                                       "drew is drawn again per question."),
         wide: bool = typer.Option(False, help="Every table row (the default table fits 80 columns)."),
         progress: bool = typer.Option(True, help="Progress bars."),
     ) -> None:
@@ -86,6 +90,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             if given and base_url:
                 raise typer.BadParameter("passes options to the embedded servers this command starts; "
                                          "not with --base-url", param_hint=hint)
+        if fresh_servers and base_url:
+            raise typer.BadParameter("restarts the servers this command starts; not with --base-url",
+                                     param_hint="--fresh-servers")
         console = Console(stderr=json_out == "-")
         from kvflow_agents.bench import peer as peer_bench
 
@@ -142,7 +149,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         _run_and_report(
             lambda hook, log: peer_bench.run_peer_bench(qs, warm, opts, pols, server, base_url=base_url,
                                                         model=served_model or model, api_key=api_key,
-                                                        progress=hook, keep_raw=raw, log=log),
+                                                        progress=hook, keep_raw=raw,
+                                                        fresh_servers=fresh_servers, log=log),
             console, meta, title=title, targets=report.PEER_TARGETS if not base_url else (),
             progress=progress, raw=raw, json_out=json_out, plot_out=plot_out, wide=wide)
 

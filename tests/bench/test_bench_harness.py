@@ -412,25 +412,6 @@ def test_base_url_mode_against_a_recording_server(tmp_path):
     assert len({q.hints["kvflow_workflow"] for q in hinted}) == 2   # one workflow per trial
 
 
-def test_peer_bench_wiring_against_a_recording_server(tmp_path):
-    pytest.importorskip("langgraph")
-    pytest.importorskip("langchain_openai")
-    out = tmp_path / "peer.json"
-    with RecordingOpenAIServer(reply=lambda body: '["What is A?", "What is B?", "What is C?"]') as srv:
-        r = CliRunner().invoke(app, [
-            "bench", "peer", "--base-url", srv.base_url, "--served-model", "stub", "--questions", "1",
-            "--warmup-questions", "0", "--max-rounds", "1", "--json", str(out), "--no-progress"],
-            env={"COLUMNS": "200"})
-        assert r.exit_code == 0, r.output
-        reqs = srv.llm_requests()
-    doc = json.loads(out.read_text())
-    w = doc["policies"]["external"]["workload"]
-    assert w["instrumented"] is True and w["workflow_rounds"] == 1 and w["errors"] == 0
-    assert w["calls_per_agent"] == {"planner": 1, "executor": 3, "expresser": 1, "reviewer": 1}
-    assert {q.hints["kvflow_agent"] for q in reqs} == {"planner", "executor/agent", "expresser", "reviewer"}
-    assert doc["targets"] == []  # an external server is not judged against the targets
-
-
 # ------------------------------------------------------------------------ paper regime preset
 def test_paper_regime_target_and_fit():
     from kvflow_agents.bench.calibrate import _fit_ratio, paper_recompute_ratio

@@ -1,0 +1,79 @@
+"""``kvflow bench peer``: the PEER example as the workload, against a recording server (the
+wiring: hints, calls per agent) and on embedded servers started per question
+(``--fresh-servers``). No timed assertions: only shapes, fields and invariants."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvflow_agents.cli.main import app
+from kvflow_agents.testing import RecordingOpenAIServer
+
+
+def test_peer_bench_wiring_against_a_recording_server(tmp_path):
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    out = tmp_path / "peer.json"
+    with RecordingOpenAIServer(reply=lambda body: '["What is A?", "What is B?", "What is C?"]') as srv:
+        r = CliRunner().invoke(app, [
+            "bench", "peer", "--base-url", srv.base_url, "--served-model", "stub", "--questions", "1",
+            "--warmup-questions", "0", "--max-rounds", "1", "--json", str(out), "--no-progress"],
+            env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.output
+        reqs = srv.llm_requests()
+    doc = json.loads(out.read_text())
+    w = doc["policies"]["external"]["workload"]
+    assert w["instrumented"] is True and w["workflow_rounds"] == 1 and w["errors"] == 0
+    assert w["calls_per_agent"] == {"planner": 1, "executor": 3, "expresser": 1, "reviewer": 1}
+    assert {q.hints["kvflow_agent"] for q in reqs} == {"planner", "executor/agent", "expresser", "reviewer"}
+    assert doc["targets"] == []  # an external server is not judged against the targets
+
+
+def test_peer_fresh_servers_run_each_question_on_new_warmed_processes():
+    """``--fresh-servers``: every measured question runs on servers started for it, each of
+    which first asks the warm-up question (unmeasured), so one process's speed is drawn again
+    per question; the questions' calls and counters are merged per column as with one server."""
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    from kvflow_agents.bench import peer, runner
+    from kvflow_agents.bench.peer import PeerOptions, pick_questions, run_peer_bench
+
+    pids: list[dict] = []
+    real_enter = runner.ServerSet.__enter__
+
+    def spy(self):
+        got = real_enter(self)
+        pids.append({p: s.proc.pid for p, s in self.servers.items()})
+        return got
+
+    opts = PeerOptions(questions=2, warmup_questions=1, max_rounds=1, max_tokens=4)
+    qs, warm = pick_questions(opts)
+    fixed = peer.fixed_prompt_tokens("tiny-random")
+    dev = peer.min_device_tokens(fixed, opts.max_tokens, 16)
+    server = runner.ServerConfig(model="tiny-random", device_tokens=dev, host_tokens=8192,
+                                 host_link_gbps=1.0, torch_threads=1)
+    log: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner.ServerSet, "__enter__", spy)
+        out = run_peer_bench(qs, warm, opts, ["kvflow"], server, model="tiny-random",
+                             fresh_servers=True, log=log.append)
+    assert len(pids) == 2                                      # one server set per question
+    assert pids[0]["kvflow"] != pids[1]["kvflow"]
+    assert sum("warm-up question" in line for line in log) == 2      # each set warmed up first
+    for res in out:
+        w = res.workload
+        assert w["server_sets"] == 2 and w["errors"] == 0 and w["instrumented"] is True
+        assert [a["question"] for a in w["answers"]] == [q.id for q in qs]
+        assert w["workflow_rounds"] == 2                       # measured questions only
+        assert w["calls_per_agent"]["planner"] == 2 and w["calls_per_agent"]["reviewer"] == 2
+        assert res.server is not None and res.server["requests"] == w["calls"]
+        assert res.startup_s > 0 and res.serve_argv[:2] == ["kvflow", "serve"]
+
+
+def test_peer_fresh_servers_refused_with_base_url():
+    r = CliRunner().invoke(app, ["bench", "peer", "--fresh-servers", "--base-url", "http://127.0.0.1:9/v1"],
+                           env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "--fresh-servers" in r.output
