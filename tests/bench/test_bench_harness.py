@@ -508,20 +508,13 @@ def test_measured_rounds_run_on_a_collected_frozen_heap():
     assert gc.get_freeze_count() == 0                # and nothing stays frozen after the trial
 
 
-def test_fresh_servers_start_each_trial_on_new_processes(monkeypatch):
+def test_fresh_servers_start_each_trial_on_new_processes(server_set_pids):
     """``--fresh-servers``: every trial runs on servers started for it (so one process's luck is
     drawn again per trial); the trials' calls are merged as with one server per policy."""
     from kvflow_agents.bench import runner
     from kvflow_agents.bench.workload import WorkloadSpec, token_counter
 
-    pids: list[dict] = []
-    real_enter = runner.ServerSet.__enter__
-
-    def spy(self):
-        got = real_enter(self)
-        pids.append({p: s.proc.pid for p, s in self.servers.items()})
-        return got
-    monkeypatch.setattr(runner.ServerSet, "__enter__", spy)
+    pids = server_set_pids
     spec = WorkloadSpec(agents=2, fixed=64, dynamic=8, output=2, rounds=1, warmup_rounds=0)
     server = runner.ServerConfig(model="tiny-random", device_tokens=512, host_tokens=1024,
                                  torch_threads=1)

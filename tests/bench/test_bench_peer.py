@@ -32,7 +32,7 @@ def test_peer_bench_wiring_against_a_recording_server(tmp_path):
     assert doc["targets"] == []  # an external server is not judged against the targets
 
 
-def test_peer_fresh_servers_run_each_question_on_new_warmed_processes():
+def test_peer_fresh_servers_run_each_question_on_new_warmed_processes(server_set_pids):
     """``--fresh-servers``: every measured question runs on servers started for it, each of
     which first asks the warm-up question (unmeasured), so one process's speed is drawn again
     per question; the questions' calls and counters are merged per column as with one server."""
@@ -41,14 +41,7 @@ def test_peer_fresh_servers_run_each_question_on_new_warmed_processes():
     from kvflow_agents.bench import peer, runner
     from kvflow_agents.bench.peer import PeerOptions, pick_questions, run_peer_bench
 
-    pids: list[dict] = []
-    real_enter = runner.ServerSet.__enter__
-
-    def spy(self):
-        got = real_enter(self)
-        pids.append({p: s.proc.pid for p, s in self.servers.items()})
-        return got
-
+    pids = server_set_pids
     opts = PeerOptions(questions=2, warmup_questions=1, max_rounds=1, max_tokens=4)
     qs, warm = pick_questions(opts)
     fixed = peer.fixed_prompt_tokens("tiny-random")
@@ -56,10 +49,8 @@ def test_peer_fresh_servers_run_each_question_on_new_warmed_processes():
     server = runner.ServerConfig(model="tiny-random", device_tokens=dev, host_tokens=8192,
                                  host_link_gbps=1.0, torch_threads=1)
     log: list[str] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runner.ServerSet, "__enter__", spy)
-        out = run_peer_bench(qs, warm, opts, ["kvflow"], server, model="tiny-random",
-                             fresh_servers=True, log=log.append)
+    out = run_peer_bench(qs, warm, opts, ["kvflow"], server, model="tiny-random",
+                         fresh_servers=True, log=log.append)
     assert len(pids) == 2                                      # one server set per question
     assert pids[0]["kvflow"] != pids[1]["kvflow"]
     assert sum("warm-up question" in line for line in log) == 2      # each set warmed up first
