@@ -1,7 +1,8 @@
 """``kvflow bench``: the synthetic workload (token lengths, hint sequences over the wire), the
 report (ratios, targets), the CLI (one small real run on two embedded servers, an external
 server), the paper-regime preset, the cache-cost saving and progress bars, and the runner
-(measured rounds, servers per trial); a section each, in that order.
+(measured rounds, servers per trial); a section each, in that order. ``bench peer``:
+test_bench_peer.py.
 
 No timed assertions: the numbers depend on the machine. Only shapes, fields and invariants."""
 
