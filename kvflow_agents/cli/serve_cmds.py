@@ -61,6 +61,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             help="Skip a waiting request whose prefix is still loading so the ones behind it "
                  "run meanwhile (KVFlow's status-aware scheduling), or let it hold the queue "
                  "until its load lands. Default: the policy's (kvflow: skip; the others: hold)."),
+        skip_scope: Optional[str] = typer.Option(
+            None, help="With --status-aware: which requests may run ahead of one whose prefix is "
+                       "loading: all, or workflow (its own workflow's and requests without "
+                       "hints; another workflow's wait behind it). Default: the policy's "
+                       "(kvflow: workflow)."),
         max_prefill_tokens: int = typer.Option(1024, min=1, help="Prompt tokens prefilled per scheduler step (chunked prefill)."),
         max_tokens_default: int = typer.Option(256, "--default-max-tokens", min=1,
                                                help="max_tokens when a request gives none."),
@@ -169,7 +174,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
                            lazy_decode_pages=lazy_decode_pages, decode_reserve=decode_reserve,
-                           admission=admission, status_aware=status_aware, lease_s=lease_s,
+                           admission=admission, status_aware=status_aware,
+                           skip_scope=skip_scope, lease_s=lease_s,
                            default_max_tokens=max_tokens_default,
                            max_prefill_tokens=max_prefill_tokens, record_path=record,
                            max_prompt_tokens=max_prompt_tokens, client_cap=client_cap,
@@ -192,7 +198,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"{host_tokens if eng.policy.host_tier else 0} tokens, page {page_size}; "
                    f"host link: {link}; lookahead {lookahead}; max batch {max_batch}; "
                    f"admission {eng.manager.admission.order}"
-                   f"{' (status-aware)' if eng.scheduler.status_aware else ''}; eviction "
+                   + (f" (status-aware, skip scope {eng.scheduler.skip_scope})"
+                      if eng.scheduler.status_aware else "") + "; eviction "
                    f"{'partial nodes' if partial_eviction else 'whole nodes'}; decode pages "
                    f"{'lazy' if lazy_decode_pages else 'upfront'}"
                    + (f" (reserve {eng.manager.decode_reserve:g} of max_tokens)"

@@ -111,7 +111,8 @@ class Engine(EngineLoop):
             reuse_align=cfg.deterministic_chunk if cfg.deterministic else 1)
         status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware
         self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
-                                   max_skip_s=cfg.max_skip_s)
+                                   max_skip_s=cfg.max_skip_s,
+                                   skip_scope=cfg.skip_scope or self.policy.skip_scope)
         self.page_size = ps
         self.manager.tags.hints.configure(max_workflows=cfg.max_workflows,
                                           max_agents_per_workflow=cfg.max_agents_per_workflow,

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from kvflow_agents.serving.policy.admission import check_admission
+from kvflow_agents.serving.policy.admission import check_admission, check_skip_scope
 
 from .scheduler import SamplingParams
 
@@ -72,6 +72,7 @@ class EngineConfig:
                                           # recomputing (measured prefill speed; manager.should_load)
     max_skip_s: float = 5.0               # a request skipped this long blocks younger ones
     status_aware: Optional[bool] = None   # None = the policy's default (kvflow: on)
+    skip_scope: Optional[str] = None      # all | workflow: who may run ahead of a loading request
     admission: Optional[str] = None       # fcfs | workflow; None = the policy's (kvflow: workflow)
     served_model_name: Optional[str] = None
     record_path: Optional[str] = None     # JSONL trace of finished requests (kvflow sim replay)
@@ -112,6 +113,8 @@ class EngineConfig:
             raise ValueError("deterministic_chunk must be a multiple of page_size, at most 512")
         if self.admission is not None:
             check_admission(self.admission)
+        if self.skip_scope is not None:
+            check_skip_scope(self.skip_scope)
         client_cap_pages(self, 1)  # raises on a bad value
 
 

@@ -16,7 +16,9 @@ Admission rule (status-aware continuous batching):
   running;
 - a request whose prefix is still loading is *skipped* under a status-aware policy (kvflow) so
   ready requests behind it run meanwhile; under the other policies it blocks the queue
-  (head-of-line, as a synchronous load would);
+  (head-of-line, as a synchronous load would). Which requests may run ahead of it is the skip
+  scope (``serving/policy/admission.py``): any (``all``), or its own workflow's and requests
+  without hints (``workflow``: another workflow's requests behind it keep their places too);
 - no starvation: a skipped request keeps its place, so it is the first candidate once its load
   lands (a load finishes in bounded time); one skipped for longer than ``max_skip_s`` (its load
   could not even start, e.g. no device room) blocks younger requests until it is ready (age
@@ -37,6 +39,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
+
+from kvflow_agents.serving.policy.admission import check_skip_scope, may_overtake
 
 _ids = itertools.count(1)
 
@@ -204,16 +208,22 @@ def _admission_key(req: Request) -> tuple:
     return s.admission_key if s is not None else ()
 
 
+def _workflow(req: Request):
+    s = req.session
+    return s.workflow if s is not None else None
+
+
 class Scheduler:
     """Waiting queue (in admission order) + running set; decides which waiting requests to try
     admitting."""
 
     def __init__(self, *, max_batch: int = 16, status_aware: bool = True, max_skip_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 skip_scope: str = "all", clock: Callable[[], float] = time.monotonic) -> None:
         self.max_batch = max_batch
         self.max_skip_s = max_skip_s
         self.clock = clock
         self.status_aware = status_aware
+        self.skip_scope = check_skip_scope(skip_scope)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -244,14 +254,19 @@ class Scheduler:
         :meth:`admitted` (or stops iterating when it could not, e.g. out of memory)."""
         budget = self.max_batch - len(self.running)
         now = self.clock()
+        held = None                   # the workflow of the first skipped request (with hints)
         for req in list(self.waiting):
             if budget <= 0:
                 return
             if not is_ready(req):
                 req.skips += 1
                 if self.status_aware and now - req.arrival < self.max_skip_s:
+                    if held is None:
+                        held = _workflow(req)
                     continue          # skip it; it keeps its place in the queue
                 return                # head-of-line: a synchronous load blocks the queue
+            if held is not None and not may_overtake(self.skip_scope, held, _workflow(req)):
+                continue              # another workflow's: the skipped one goes first
             budget -= 1
             yield req
 

@@ -26,6 +26,27 @@ most ``max_age_s`` (a client that reuses one workflow id forever gets FCFS shift
 
 Cost: one key per request at arrival, O(1) (the workflow's first arrival is kept by the hint
 registry with the rest of its state).
+
+Skip scope (status-aware engines: who may run ahead of a waiting request whose prefix is still
+loading, :func:`may_overtake`):
+
+=========  ==========================================================================
+name       a ready request may be admitted ahead of a loading one when
+=========  ==========================================================================
+all        always (the paper's skip: SGLang's prefill builder moves on to the next request)
+workflow   it belongs to the loading request's workflow, or either of the two has no hints
+=========  ==========================================================================
+
+Why ``workflow`` (kvflow's default): a skip that lets *another* workflow's calls in hands them
+the batch slots and device pages the loading call needs when its load lands, and that call's
+workflow (an AND join: its stage ends with its slowest call) waits for them. Within one
+workflow the calls behind it are its own siblings, which the skip lets start. A held request
+keeps its place and the scan goes on (a request without hints behind it may still go): hints
+opt a client into workflow scheduling; traffic without them is skipped past as the paper's
+status-aware scheduling does. Side by side on a memory-bound fan-out (2 workflows, head -> 4
+workers -> tail): ``workflow`` 0.93x the workflow latency of ``all``, level with no skip at all
+(``kvflow_agents/bench/RESULTS.md`` §6.30); on one workflow at a time (PEER) the two are the
+same rule.
 """
 
 from __future__ import annotations
@@ -33,6 +54,7 @@ from __future__ import annotations
 import itertools
 
 ADMISSION_ORDERS = ("fcfs", "workflow")
+SKIP_SCOPES = ("all", "workflow")
 
 
 def check_admission(order: str) -> str:
@@ -40,6 +62,20 @@ def check_admission(order: str) -> str:
     if order not in ADMISSION_ORDERS:
         raise ValueError(f"unknown admission order {order!r}; choose from {list(ADMISSION_ORDERS)}")
     return order
+
+
+def check_skip_scope(scope: str) -> str:
+    """``scope`` if it names a skip scope, else ValueError (the one place that says so)."""
+    if scope not in SKIP_SCOPES:
+        raise ValueError(f"unknown skip scope {scope!r}; choose from {list(SKIP_SCOPES)}")
+    return scope
+
+
+def may_overtake(scope: str, loading_workflow, workflow) -> bool:
+    """Whether a ready request of ``workflow`` may be admitted ahead of a waiting one of
+    ``loading_workflow`` whose prefix is still loading (None: no hints). See the module
+    docstring's skip-scope table."""
+    return scope == "all" or loading_workflow is None or workflow is None or workflow == loading_workflow
 
 
 class AdmissionOrder:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from .admission import check_admission
+from .admission import check_admission, check_skip_scope
 
 INF = math.inf
 
@@ -38,6 +38,7 @@ class CachePolicy:
     uses_priority = False   # eviction order depends on STE priority (re-index on hint updates)
     prefetch = False        # run the prefetch planner on hint updates / ticks
     status_aware = False    # the scheduler should skip requests whose prefix is loading
+    skip_scope = "all"      # ... letting which requests run ahead of it (admission.SKIP_SCOPES)
     admission = "fcfs"      # waiting requests' order (admission.ADMISSION_ORDERS)
     # requests are admitted only while what running requests hold fits the configured pool
     # (a bounded pool: always; a growable one: see PoolOraclePolicy)
@@ -88,11 +89,15 @@ class KVFlowPolicy(CachePolicy):
     uses_priority = True
     prefetch = True
     status_aware = True
+    skip_scope = "workflow"
 
-    def __init__(self, backup: str = "all", prefetch: bool = True, admission: str = "workflow") -> None:
+    def __init__(self, backup: str = "all", prefetch: bool = True, admission: str = "workflow",
+                 skip_scope: str | None = None) -> None:
         if backup not in ("all", "tagged"):
             raise ValueError("backup must be 'all' or 'tagged'")
         check_admission(admission)
+        if skip_scope is not None:
+            self.skip_scope = check_skip_scope(skip_scope)
         self.backup = backup
         self.prefetch = prefetch  # False: eviction order and status only (ablation / Belady check)
         self.admission = admission  # "fcfs": request order, as the baselines (ablation)

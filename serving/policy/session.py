@@ -129,6 +129,11 @@ class RequestSession:
         self._counted = False            # hit counters recorded (a re-look after unpin is not)
         self.written: list[int] = []     # at finish: the tokens it left in the tree (prompt + output)
 
+    @property
+    def workflow(self):
+        """Its hints' workflow key (:func:`~.hints.workflow_key`); None without hints."""
+        return self.tag[0] if self.tag is not None else None
+
     # ------------------------------------------------------------------ waiting
     @property
     def looked(self) -> bool:

@@ -54,8 +54,8 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvflow_agents.protocol import HintError, Hints
-from kvflow_agents.serving.policy import (CacheMetrics, LoadTracker, Prefetcher, PriorityIndex,
-                                          TagBook, workflow_key)
+from kvflow_agents.serving.policy import (CacheMetrics, KVFlowPolicy, LoadTracker, Prefetcher,
+                                          PriorityIndex, TagBook, workflow_key)
 from kvflow_agents.serving.policy.admission import AdmissionOrder
 from kvflow_agents.serving.policy.inspection import agents_view, workflows_view
 from kvflow_agents.serving.policy.toolgap import ToolGaps
@@ -95,6 +95,7 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
     recompute_s_per_token: Optional[float] = None  # None: measured prefill speed
     reserve_window: int = 64         # waiting requests counted in the prefetch reserve
     admission: str = "workflow"      # waiting-queue order (policy/admission.py; hooks.py sorts)
+    skip_scope: str = KVFlowPolicy.skip_scope  # who may go ahead of a loading request (hooks.py)
 
     def __init__(self, params, **kwargs) -> None:
         ensure_eviction_policy_registered()
@@ -164,8 +165,8 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
         self._evict_floor: Optional[float] = None
         self.kv_stats = {"tags": 0, "prefetch_skipped_no_slot": 0, "prefetch_declined": 0,
                          "hints": 0, "hint_errors": 0, "stale_hints": 0, "requeued": 0,
-                         "blocked_polls": 0, "floor_stops": 0, "inferred_tags": 0,
-                         "queue_sorts": 0}
+                         "blocked_polls": 0, "held_for_workflow": 0, "floor_stops": 0,
+                         "inferred_tags": 0, "queue_sorts": 0}
 
     @property
     def kv_index(self) -> PriorityIndex:
@@ -379,6 +380,11 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
         waiting_queue.sort(key=key)
         self.kv_stats["queue_sorts"] += 1
         return True
+
+    def kvflow_workflow(self, req):
+        """The workflow key of ``req``'s hints (None: it came without hints)."""
+        info = self._req_hints.get(getattr(req, "rid", None))
+        return info.tag[0] if info is not None else None
 
     def _stale(self, hints: Hints) -> bool:
         """A request's hint from an earlier step than its workflow's latest: superseded."""

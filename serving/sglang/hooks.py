@@ -18,6 +18,10 @@ no hints schedules exactly as stock SGLang.
   through a node whose proactive load has not landed, the request is skipped for this round
   (``CONTINUE``: the builder goes on with the requests behind it; the request stays queued in
   its place). A load always ends (its ack is reaped every step), so it is never starved.
+  Under the ``workflow`` skip scope (``KVFLOW_SKIP_SCOPE``, kvflow's default;
+  ``serving/policy/admission.py``) only the skipped request's own workflow's requests and
+  requests without hints may go ahead of it: another workflow's are passed over too
+  (``CONTINUE``, they keep their places).
 - ``around_process_input_requests``: once per loop iteration on every rank: advances the
   plugin's rank-agreed clock (its only collective) and takes :class:`KVFlowControl` messages
   (out-of-band hints, snapshot requests) out of the received batch, applied on every rank.
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
+
+from kvflow_agents.serving.policy.admission import may_overtake
 
 from .messages import KVFlowControl
 
@@ -74,17 +80,28 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
     cache = _kvflow_cache(adder)
     if cache is None or not cache.kvflow_has_inflight():
         return original(adder, req, *args, **kwargs)
-    try:
-        blocked = cache.kvflow_blocked(req)
-    except Exception:  # never let bookkeeping stop admission
-        logger.exception("kvflow: admission check failed")
-        blocked = False
-    if not blocked:
-        return original(adder, req, *args, **kwargs)
-    cache.kv_stats["blocked_polls"] += 1
-    _undo_match_side_effects(cache, req)
     from sglang.srt.managers.schedule_policy import AddReqResult
 
+    # the workflow of this round's first request skipped for its load (one adder per round)
+    held = getattr(adder, "kvflow_held", None)
+    workflow = None
+    try:
+        workflow = cache.kvflow_workflow(req)
+        blocked = cache.kvflow_blocked(req)
+        passed = (not blocked and held is not None
+                  and not may_overtake(cache.skip_scope, held, workflow))
+    except Exception:  # never let bookkeeping stop admission
+        logger.exception("kvflow: admission check failed")
+        blocked = passed = False
+    if not (blocked or passed):
+        return original(adder, req, *args, **kwargs)
+    if blocked:
+        cache.kv_stats["blocked_polls"] += 1
+        if held is None and workflow is not None:
+            adder.kvflow_held = workflow
+    else:
+        cache.kv_stats["held_for_workflow"] += 1
+    _undo_match_side_effects(cache, req)
     return AddReqResult.CONTINUE
 
 

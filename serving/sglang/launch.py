@@ -9,7 +9,8 @@ TreeCore (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``: the Rust core rejec
 eviction policies). Our own flags are taken out of argv and passed through the environment,
 which SGLang's spawned processes inherit: ``--kvflow-lookahead N``, ``--kvflow-lease-s S``,
 ``--kvflow-max-prefetch N``, ``--kvflow-admission fcfs|workflow`` (the waiting queue's order,
-``hooks.after_calc_priority``), ``--kvflow-api-keys-file F``, ``--kvflow-tenant-header H``,
+``hooks.after_calc_priority``), ``--kvflow-skip-scope all|workflow`` (who may go ahead of a
+request whose prefix is loading, ``hooks.around_add_one_req``), ``--kvflow-api-keys-file F``, ``--kvflow-tenant-header H``,
 ``--kvflow-host-link-gbps X`` (an emulated host link of X GB/s under SGLang's host->device
 copies, for CPU studies; see ``host_link.py``).
 
@@ -26,6 +27,8 @@ import os
 import sys
 from typing import Sequence
 
+from kvflow_agents.serving.policy.admission import check_admission, check_skip_scope
+
 DEFAULT_FLAGS = (
     ("--enable-hierarchical-cache", None),
     ("--radix-cache-backend", "kvflow"),
@@ -34,10 +37,12 @@ DEFAULT_FLAGS = (
 OWN_FLAGS = {"--kvflow-lookahead": "KVFLOW_LOOKAHEAD", "--kvflow-lease-s": "KVFLOW_LEASE_S",
              "--kvflow-max-prefetch": "KVFLOW_MAX_PREFETCH",
              "--kvflow-admission": "KVFLOW_ADMISSION",
+             "--kvflow-skip-scope": "KVFLOW_SKIP_SCOPE",
              "--kvflow-api-keys-file": "KVFLOW_API_KEYS_FILE",  # tenants (serving/tenancy.py)
              "--kvflow-tenant-header": "KVFLOW_TENANT_HEADER",
              "--kvflow-host-link-gbps": "KVFLOW_HOST_LINK_GBPS"}
 _POSITIVE = {"--kvflow-lease-s", "--kvflow-host-link-gbps"}
+_CHOICES = {"--kvflow-admission": check_admission, "--kvflow-skip-scope": check_skip_scope}
 
 
 def _has_flag(argv: Sequence[str], flag: str) -> bool:
@@ -63,11 +68,9 @@ def build_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
                     ok = False
                 if not ok:
                     raise SystemExit(f"{name}: expected a positive number, got {val!r}")
-            if name == "--kvflow-admission":
-                from kvflow_agents.serving.policy.admission import check_admission
-
+            if name in _CHOICES:
                 try:
-                    check_admission(val)
+                    _CHOICES[name](val)
                 except ValueError as e:
                     raise SystemExit(f"{name}: {e}") from None
             env[OWN_FLAGS[name]] = val

@@ -14,6 +14,8 @@ The hooks act only when the cache is a ``KVFlowRadixCache``; installed but not s
 plugin changes nothing. Tunables come from the environment (the launcher sets them):
 ``KVFLOW_LOOKAHEAD`` (steps, default 1), ``KVFLOW_LEASE_S`` (60), ``KVFLOW_MAX_PREFETCH`` (2),
 ``KVFLOW_ADMISSION`` (``workflow`` or ``fcfs``: the waiting queue's order, ``hooks.py``),
+``KVFLOW_SKIP_SCOPE`` (``all`` or ``workflow``: who may go ahead of a request whose prefix is
+loading, ``hooks.py``),
 ``KVFLOW_HOST_LINK_GBPS`` (an emulated host link under every HiCache copy; ``host_link.py``).
 """
 
@@ -22,7 +24,8 @@ from __future__ import annotations
 import logging
 import os
 
-from kvflow_agents.serving.policy.admission import check_admission
+from kvflow_agents.serving.policy import KVFlowPolicy
+from kvflow_agents.serving.policy.admission import check_admission, check_skip_scope
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ def cache_options() -> dict:
         "lease_s": _env_num("KVFLOW_LEASE_S", float, 60.0),
         "max_inflight_prefetch": _env_num("KVFLOW_MAX_PREFETCH", int, 2),
         "admission": _env_num("KVFLOW_ADMISSION", check_admission, "workflow"),
+        "skip_scope": _env_num("KVFLOW_SKIP_SCOPE", check_skip_scope, KVFlowPolicy.skip_scope),
     }
 
 
@@ -70,6 +74,7 @@ def kvflow_cache_factory(ctx):
         lease_s = opts["lease_s"]
         max_inflight_prefetch = opts["max_inflight_prefetch"]
         admission = opts["admission"]
+        skip_scope = opts["skip_scope"]
 
     _Configured.__name__ = _Configured.__qualname__ = "KVFlowRadixCache"
     return create_unified_radix_cache(ctx, cache_class=_Configured)

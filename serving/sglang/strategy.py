@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
 from kvflow_agents.serving.policy import CachePolicy, KVFlowPolicy, PriorityIndex, get_policy
-from kvflow_agents.serving.policy.admission import check_admission
+from kvflow_agents.serving.policy.admission import check_admission, check_skip_scope
 
 logger = logging.getLogger(__name__)
 
@@ -44,19 +44,20 @@ class KVFlowStrategy(EvictionStrategy):
 
     SGLang builds it from ``--radix-eviction-policy kvflow`` with the JSON of
     ``--radix-eviction-policy-config`` as keyword arguments; the cache reads the optional
-    ``lookahead``, ``lease_s``, ``max_prefetch``, ``recompute_s_per_token`` and ``admission``
-    (``"workflow"`` or ``"fcfs"``) from there.
+    ``lookahead``, ``lease_s``, ``max_prefetch``, ``recompute_s_per_token``, ``admission``
+    (``"workflow"`` or ``"fcfs"``) and ``skip_scope`` (``"all"`` or ``"workflow"``) from there.
     Until a :class:`KVFlowRadixCache` binds its index, every node has priority +inf (LRU).
     """
 
     def __init__(self, lookahead: Optional[float] = None, lease_s: Optional[float] = None,
                  max_prefetch: Optional[int] = None,
                  recompute_s_per_token: Optional[float] = None,
-                 admission: Optional[str] = None) -> None:
+                 admission: Optional[str] = None, skip_scope: Optional[str] = None) -> None:
         self.options = {"lookahead": lookahead, "lease_s": lease_s,
                         "max_inflight_prefetch": max_prefetch,
                         "recompute_s_per_token": recompute_s_per_token,
-                        "admission": None if admission is None else check_admission(admission)}
+                        "admission": None if admission is None else check_admission(admission),
+                        "skip_scope": None if skip_scope is None else check_skip_scope(skip_scope)}
         self.policy = KVFlowPolicy()
         self.adapter: Optional[EvictionStrategyAdapter] = None
 

@@ -60,6 +60,7 @@ from typing import Callable, Optional
 
 from kvflow_agents.protocol import Hints
 from kvflow_agents.serving.policy import KVCacheManager, Readiness, get_policy
+from kvflow_agents.serving.policy.admission import may_overtake
 
 from .costs import Profile
 from .workloads import Call, Workload, WorkflowPlan
@@ -269,8 +270,9 @@ class Simulator:
     def _admit(self) -> list[Req]:
         admitted, keep, budget = [], [], self.max_prefill
         self._admitting = admitted
-        aware = self.policy.status_aware
+        aware, scope = self.policy.status_aware, self.policy.skip_scope
         blocked = False
+        held = None   # the workflow of the first request skipped for its load (skip scope)
         for r in self.waiting:
             if blocked or budget <= 0 or len(self.running) + len(admitted) >= self.max_running:
                 keep.append(r)
@@ -280,6 +282,7 @@ class Simulator:
             if aware and p.state is LOADING:
                 self._wait(r, p.ready_at)
                 keep.append(r)
+                held = held if held is not None else s.workflow
                 continue
             load_inline, rec = False, None
             if p.state is NEEDS_LOAD or p.state is LOADING:
@@ -292,6 +295,7 @@ class Simulator:
                     if p.state is LOADING:
                         self._wait(r, p.ready_at)
                         keep.append(r)
+                        held = held if held is not None else s.workflow
                         continue
                 else:
                     # inline: the batch stalls on the load as it would on recomputing, less
@@ -305,6 +309,9 @@ class Simulator:
                             c = self.p.prefill_s([(x.n_new, x.cached) for x in admitted]
                                                  + [(len(r.prompt) - p.cached_len, p.cached_len)])
                             rec += c * (1 - 1 / self.p.layers)
+            if held is not None and not may_overtake(scope, held, s.workflow):
+                keep.append(r)  # another workflow's: the skipped one goes first
+                continue
             if not s.admit(load_inline=load_inline, recompute_s=rec):
                 keep.append(r)
                 blocked = True  # head-of-line: wait for memory

@@ -83,7 +83,11 @@ def test_greedy_paris_and_cached_prefix(smollm2):
     pages = [30, 20, 25, 21]
     model.prefill(pool.device_kv, ids[:n], pages, 0)
     part = model.prefill(pool.device_kv, ids[n:], pages, n, return_all=True)
-    assert (full[n:] - part).abs().max().item() < 0.1        # bf16; logits span ~±30
+    # bf16 (8 mantissa bits): the cached path multiplies other shapes, so other kernel blockings
+    # round differently; AMX and AVX-512 kernels differ by a few ulps after 30 layers (an ulp is
+    # 0.125 at |logit| 16-32). Bound: 2 % of the logits' range, and the same greedy token.
+    diff, scale = (full[n:] - part).abs(), full[n:].abs().max().item()
+    assert diff.max().item() < 0.02 * scale, (diff.max().item(), scale)
     assert torch.equal(full[n:].argmax(-1), part.argmax(-1))
 
 

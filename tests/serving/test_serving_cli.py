@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvflow_agents.cli.main import app
+from kvflow_agents.serving.policy import KVFlowPolicy
 
 
 def test_serve_help_and_engine_choice():
@@ -47,12 +48,16 @@ def test_serve_eviction_flags_reach_the_store(monkeypatch, flags, partial, lazy)
     assert ("decode pages lazy" if lazy else "decode pages upfront") in r.output
 
 
-@pytest.mark.parametrize("policy, flags, aware", [("kvflow", [], True), ("hicache", [], False),
-                                                  ("kvflow", ["--no-status-aware"], False),
-                                                  ("hicache", ["--status-aware"], True)])
-def test_serve_status_aware_flag_reaches_the_scheduler(monkeypatch, policy, flags, aware):
-    """Skipping requests whose prefix is loading is the policy's default unless a flag says
-    otherwise (the benches compare both with --policy-variant)."""
+@pytest.mark.parametrize("policy, flags, aware, scope", [
+    ("kvflow", [], True, KVFlowPolicy.skip_scope), ("hicache", [], False, "all"),
+    ("kvflow", ["--no-status-aware"], False, KVFlowPolicy.skip_scope),
+    ("hicache", ["--status-aware"], True, "all"),
+    ("kvflow", ["--skip-scope", "workflow"], True, "workflow"),
+    ("kvflow", ["--skip-scope", "all"], True, "all")])
+def test_serve_status_aware_flags_reach_the_scheduler(monkeypatch, policy, flags, aware, scope):
+    """Skipping requests whose prefix is loading, and whom the skip lets ahead, are the
+    policy's defaults unless a flag says otherwise (the benches compare them with
+    --policy-variant)."""
     import uvicorn
 
     seen = {}
@@ -61,7 +66,14 @@ def test_serve_status_aware_flag_reaches_the_scheduler(monkeypatch, policy, flag
                                  "--policy", policy] + flags, env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert seen["eng"].scheduler.status_aware is aware
-    assert ("(status-aware)" in r.output) is aware
+    assert seen["eng"].scheduler.skip_scope == scope
+    assert (f"(status-aware, skip scope {scope})" in r.output) is aware
+
+
+def test_serve_refuses_an_unknown_skip_scope():
+    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--skip-scope", "nobody"],
+                           env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "unknown skip scope 'nobody'" in r.output
 
 
 @pytest.mark.parametrize("flags, reserve", [([], 0.25), (["--decode-reserve", "0.5"], 0.5),

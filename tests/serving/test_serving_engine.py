@@ -247,6 +247,33 @@ def test_scheduler_status_aware_skip_and_age_rule():
     assert list(s2.admission_plan(lambda r: r.rid in ready)) == []
 
 
+@pytest.mark.parametrize("scope,first,want", [
+    ("all", "a1", ["a2", "b1", "c1"]),         # the paper's skip: anyone behind it goes
+    ("workflow", "a1", ["a2", "c1"]),          # its sibling and a request without hints go;
+                                               # workflow B's call keeps its place
+    ("workflow", "c0", ["a1", "a2", "b1"]),    # a loading request without hints holds no one
+])
+def test_skip_scope_decides_who_runs_ahead_of_a_loading_request(scope, first, want):
+    """The first request (``first``) is still loading; the others are ready. Sessions and
+    admission keys come from the policy core (workflow order: A's calls, then B's)."""
+    from kvflow_agents.serving.policy import KVCacheManager
+
+    mgr = KVCacheManager("kvflow", device_pages=64, host_pages=64)
+    sched = Scheduler(max_batch=8, status_aware=True, skip_scope=scope, clock=lambda: 100.0)
+    names = ["c0"] if first == "c0" else []
+    names += ["a1", "a2", "b1"] + (["c1"] if first != "c0" else [])
+    for name in names:
+        wf = {"a": "A", "b": "B"}.get(name[0])
+        req = Request([1] * 10, SamplingParams(max_tokens=1), lambda ev: None, rid=name, arrival=100.0)
+        hints = Hints(workflow=wf, agent=name, step=1, ste={name: 0}) if wf else None
+        req.session = mgr.arrive(req.prompt_ids, hints)
+        sched.add(req)
+    assert [r.rid for r in sched.waiting][0] == first
+    assert [r.rid for r in sched.admission_plan(lambda r: r.rid != first)] == want
+    with pytest.raises(ValueError, match="skip scope"):
+        Scheduler(skip_scope="nobody")
+
+
 def test_chunked_prefill_matches_and_lets_decodes_run(tiny_model):
     """A prompt prefilled in 64-token chunks gives the same tokens as one prefill; a short request
     admitted alongside it gets its answer before the long prompt's prefill is done."""

@@ -131,6 +131,35 @@ def test_status_aware_scheduling_runs_ready_requests_while_a_prefix_loads(serve,
         assert m["load_exposed_s"] > 0.3
 
 
+@pytest.mark.parametrize("scope", ["workflow", "all"])
+def test_skip_scope_holds_another_workflows_call_behind_a_loading_one(serve, scope):
+    """Workflow wf's call waits ~1 s for its host-only prefix. Another workflow's ready call
+    sent after it waits for it under kvflow's default skip scope (``workflow``: it would take
+    the batch slot and pages the loading call needs) and runs meanwhile under ``all``."""
+    with serve(policy="kvflow", host_link_gbps=0.00018, recompute_aware=False,
+               skip_scope=None if scope == "workflow" else scope, **SMALL_POOL) as srv:
+        assert srv.engine.call(lambda e: e.scheduler.skip_scope) == scope
+        c = srv.client()
+        run_cycle(c)
+        assert residency(srv.cache(), "wf", "C") == "host"
+        done = {}
+
+        def call(name, fn):
+            fn()
+            done[name] = time.monotonic()
+        tc = threading.Thread(target=call, args=("wf", lambda: agent_call(c, "C", 10)))
+        tc.start()
+        wait_until(lambda: srv.engine.call(lambda e: e.scheduler.counts())["loading"] == 1, timeout=5)
+        t0 = time.monotonic()
+        call("wf2", lambda: agent_call(srv.client(), "A", 0, workflow="wf2", user="another run"))
+        tc.join(15)
+        assert done["wf"] - t0 > 0.5                     # the load really took the link time
+        if scope == "workflow":
+            assert done["wf2"] - t0 > 0.5                # held until the loading call went in
+        else:
+            assert done["wf2"] < done["wf"] and done["wf2"] - t0 < 0.5
+
+
 def test_out_of_band_transition_and_end(serve):
     with serve(policy="kvflow", **SMALL_POOL) as srv:
         c = srv.client()

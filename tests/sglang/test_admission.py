@@ -21,6 +21,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sgl_helpers import hints  # noqa: E402
 
+from kvflow_agents.serving.policy import KVFlowPolicy  # noqa: E402
 from kvflow_agents.serving.policy.admission import AdmissionOrder  # noqa: E402
 from kvflow_agents.serving.sglang import hooks  # noqa: E402
 from kvflow_agents.serving.sglang.cache import KVFlowRadixCache  # noqa: E402
@@ -150,3 +151,13 @@ def test_admission_is_configurable_and_checked():
     assert KVFlowStrategy(admission="fcfs").options["admission"] == "fcfs"
     with pytest.raises(ValueError, match="unknown admission order"):
         KVFlowStrategy(admission="lifo")
+    # the skip scope, the same three ways in
+    assert build_args(["--model-path", "m", "--kvflow-skip-scope", "workflow"])[1]["KVFLOW_SKIP_SCOPE"] == "workflow"
+    with pytest.raises(SystemExit, match="unknown skip scope 'nobody'"):
+        build_args(["--model-path", "m", "--kvflow-skip-scope=nobody"])
+    for env, want in (("workflow", "workflow"), ("all", "all"), ("nope", KVFlowPolicy.skip_scope)):
+        with mock.patch.dict("os.environ", {"KVFLOW_SKIP_SCOPE": env}):
+            assert cache_options()["skip_scope"] == want
+    assert KVFlowStrategy(skip_scope="workflow").options["skip_scope"] == "workflow"
+    with pytest.raises(ValueError, match="unknown skip scope"):
+        KVFlowStrategy(skip_scope="nobody")

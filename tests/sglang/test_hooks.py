@@ -107,7 +107,9 @@ class AdmissionTest(UnifiedRadixCacheFixtures, unittest.TestCase):
             return AddReqResult.CONTINUE
 
         for i, req in enumerate(queue):
-            queue[i] = req = matched(self, self.cache, list(req.origin_input_ids))
+            rid, queue[i] = req.rid, matched(self, self.cache, list(req.origin_input_ids))
+            req = queue[i]
+            req.rid = rid  # the same request matched again (its hints stay its own)
             if hooks.around_add_one_req(add_one_req, adder, req) != AddReqResult.CONTINUE:
                 break
         queue[:] = [r for r in queue if r not in adder.can_run_list]
@@ -129,6 +131,29 @@ class AdmissionTest(UnifiedRadixCacheFixtures, unittest.TestCase):
         self.cache.check_hicache_events()
         self.assertFalse(self.cache.kvflow_has_inflight())
         self.assertEqual(ids(self.build_prefill(queue, budget=2)), ids([r2, r4]))  # not starved
+
+    def queued(self, tokens, workflow=None, agent="X"):
+        """A request queued with hints (SGLang's intake hook reads them), then matched."""
+        req = matched(self, self.cache, tokens)
+        if workflow is not None:
+            req.sampling_params.custom_params = hints(workflow, agent, {agent: 0}, step=1)
+            self.cache.kvflow_on_request(req)
+        return req
+
+    def test_skip_scope_workflow_lets_only_the_loading_requests_workflow_ahead(self):
+        ids = lambda r: [tuple(x.origin_input_ids) for x in r]  # noqa: E731
+        for scope, want in (("all", [1, 2, 3]), ("workflow", [1, 3])):
+            with self.subTest(scope=scope):
+                self.cache.skip_scope = scope
+                queue = [self.queued(self.a + seq(6000, 8), "wf", "A"),  # on A's loading prefix
+                         self.queued(seq(7000, 8), "wf", "B"),           # its workflow's sibling
+                         self.queued(seq(8000, 8), "other", "X"),        # another workflow
+                         self.queued(seq(9000, 8))]                      # no hints
+                before = self.cache.kv_stats["held_for_workflow"]
+                expected = [queue[i] for i in want]
+                self.assertEqual(ids(self.build_prefill(queue, budget=4)), ids(expected))
+                self.assertEqual(self.cache.kv_stats["held_for_workflow"] - before,
+                                 1 if scope == "workflow" else 0)
 
     def test_no_inflight_load_means_adder_untouched(self):
         for ack in list(self.cache.cache_controller.ack_load_queue):

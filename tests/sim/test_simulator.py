@@ -11,6 +11,7 @@ import pytest
 from kvflow_agents.serving.sim import (Simulator, compare, cycle, fanout, from_trace, load_profile,
                                        load_trace, peer, simulate)
 from kvflow_agents.serving.sim import paper
+from kvflow_agents.serving.policy import KVFlowPolicy
 
 A10G = "llama-3.1-8b-a10g"
 
@@ -211,16 +212,37 @@ def test_prefetch_reserve_stops_thrash_when_running_requests_overflow_the_pool(a
 
 
 def test_core_hidden_fraction_counts_status_aware_waits():
-    """Sweep cell 16 workflows x 0.5 GB/s: with status(record=True) the core's hidden fraction
-    matches the simulator's own measure (it used to report 0.32 against 0.11)."""
+    """Sweep cell 16 workflows x 0.5 GB/s, under the paper's skip (scope ``all``): with
+    status(record=True) the core's hidden fraction matches the simulator's own measure (it
+    used to report 0.32 against 0.11)."""
     n, fixed = 16, 2048
     w = cycle(fixed=fixed, dynamic=64, output=64, workflows=n, rounds=1, warmup_rounds=1, rotate=True)
     w.device_tokens = int(n * (fixed + 64 + 64 + 64) + 0.3 * w.fixed_tokens_total())
-    sim = Simulator(load_profile(A10G, link_gbps=0.5), w, "kvflow", load_vs_recompute=False)
+    sim = Simulator(load_profile(A10G, link_gbps=0.5), w, KVFlowPolicy(skip_scope="all"),
+                    load_vs_recompute=False)
     res = sim.run()
     core = sim.mgr.metrics.as_dict()["load_hidden_fraction"]
     assert res.hidden_fraction < 0.3
     assert abs(core - res.hidden_fraction) < 0.05, (core, res.hidden_fraction)
+
+
+def test_skip_scope_workflow_hides_loads_the_paper_skip_exposes():
+    """The same cell under kvflow's default skip scope (``workflow``): another workflow's call
+    no longer takes the room a loading call needs, so more of the loads hide and the rounds
+    end sooner; the core's hidden fraction still matches the simulator's."""
+    def run(policy):
+        n, fixed = 16, 2048
+        w = cycle(fixed=fixed, dynamic=64, output=64, workflows=n, rounds=1, warmup_rounds=1, rotate=True)
+        w.device_tokens = int(n * (fixed + 64 + 64 + 64) + 0.3 * w.fixed_tokens_total())
+        sim = Simulator(load_profile(A10G, link_gbps=0.5), w, policy, load_vs_recompute=False)
+        return sim, sim.run()
+    sim, scoped = run("kvflow")
+    _, paper = run(KVFlowPolicy(skip_scope="all"))
+    assert sim.policy.skip_scope == "workflow"
+    assert scoped.hidden_fraction > paper.hidden_fraction + 0.2      # 0.44 against 0.10
+    assert scoped.latency_s < 0.95 * paper.latency_s                  # 0.89x
+    core = sim.mgr.metrics.as_dict()["load_hidden_fraction"]
+    assert abs(core - scoped.hidden_fraction) < 0.05, (core, scoped.hidden_fraction)
 
 
 def test_kvflow_recomputes_when_the_link_is_slower_than_recompute():
