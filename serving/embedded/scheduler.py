@@ -258,6 +258,10 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0:
                 return
+            if held is not None and not may_overtake(self.skip_scope, held, _workflow(req)):
+                # another workflow's: passed over untouched (not even polled: a poll would
+                # start its demand load, which would queue on the link before the skipped one's)
+                continue
             if not is_ready(req):
                 req.skips += 1
                 if self.status_aware and now - req.arrival < self.max_skip_s:
@@ -265,8 +269,6 @@ class Scheduler:
                         held = _workflow(req)
                     continue          # skip it; it keeps its place in the queue
                 return                # head-of-line: a synchronous load blocks the queue
-            if held is not None and not may_overtake(self.skip_scope, held, _workflow(req)):
-                continue              # another workflow's: the skipped one goes first
             budget -= 1
             yield req
 

@@ -87,9 +87,9 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
     workflow = None
     try:
         workflow = cache.kvflow_workflow(req)
-        blocked = cache.kvflow_blocked(req)
-        passed = (not blocked and held is not None
-                  and not may_overtake(cache.skip_scope, held, workflow))
+        # another workflow's request is passed over untouched (no wait recorded, no load-back)
+        passed = held is not None and not may_overtake(cache.skip_scope, held, workflow)
+        blocked = not passed and cache.kvflow_blocked(req)
     except Exception:  # never let bookkeeping stop admission
         logger.exception("kvflow: admission check failed")
         blocked = passed = False

@@ -278,6 +278,9 @@ class Simulator:
                 keep.append(r)
                 continue
             s = r.session
+            if held is not None and not may_overtake(scope, held, s.workflow):
+                keep.append(r)  # another workflow's: passed over untouched (no load started)
+                continue
             p = s.poll(start_load=False)
             if aware and p.state is LOADING:
                 self._wait(r, p.ready_at)
@@ -309,9 +312,6 @@ class Simulator:
                             c = self.p.prefill_s([(x.n_new, x.cached) for x in admitted]
                                                  + [(len(r.prompt) - p.cached_len, p.cached_len)])
                             rec += c * (1 - 1 / self.p.layers)
-            if held is not None and not may_overtake(scope, held, s.workflow):
-                keep.append(r)  # another workflow's: the skipped one goes first
-                continue
             if not s.admit(load_inline=load_inline, recompute_s=rec):
                 keep.append(r)
                 blocked = True  # head-of-line: wait for memory

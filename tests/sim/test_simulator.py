@@ -239,10 +239,12 @@ def test_skip_scope_workflow_hides_loads_the_paper_skip_exposes():
     sim, scoped = run("kvflow")
     _, paper = run(KVFlowPolicy(skip_scope="all"))
     assert sim.policy.skip_scope == "workflow"
-    assert scoped.hidden_fraction > paper.hidden_fraction + 0.2      # 0.44 against 0.10
-    assert scoped.latency_s < 0.95 * paper.latency_s                  # 0.89x
+    assert scoped.hidden_fraction > paper.hidden_fraction + 0.3      # 0.67 against 0.10
+    assert scoped.latency_s < 0.9 * paper.latency_s                   # 0.81x
+    # a request passed over is not polled, so the core counts a load's wait from the first
+    # request that polls it: its hidden fraction reads a little higher (0.76)
     core = sim.mgr.metrics.as_dict()["load_hidden_fraction"]
-    assert abs(core - scoped.hidden_fraction) < 0.05, (core, scoped.hidden_fraction)
+    assert abs(core - scoped.hidden_fraction) < 0.1, (core, scoped.hidden_fraction)
 
 
 def test_kvflow_recomputes_when_the_link_is_slower_than_recompute():
