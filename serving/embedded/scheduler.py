@@ -259,8 +259,8 @@ class Scheduler:
             if budget <= 0:
                 return
             if held is not None and not may_overtake(self.skip_scope, held, _workflow(req)):
-                # another workflow's: passed over untouched (not even polled: a poll would
-                # start its demand load, which would queue on the link before the skipped one's)
+                # another workflow's: passed over untouched (not even polled: a poll can start
+                # its demand load, which would share the FIFO link with the skipped one's)
                 continue
             if not is_ready(req):
                 req.skips += 1
