@@ -10,8 +10,8 @@ eviction policies). Our own flags are taken out of argv and passed through the e
 which SGLang's spawned processes inherit: ``--kvflow-lookahead N``, ``--kvflow-lease-s S``,
 ``--kvflow-max-prefetch N``, ``--kvflow-admission fcfs|workflow`` (the waiting queue's order,
 ``hooks.after_calc_priority``), ``--kvflow-skip-scope all|workflow`` (who may go ahead of a
-request whose prefix is loading, ``hooks.around_add_one_req``), ``--kvflow-api-keys-file F``, ``--kvflow-tenant-header H``,
-``--kvflow-host-link-gbps X`` (an emulated host link of X GB/s under SGLang's host->device
+request whose prefix is loading, ``hooks.around_add_one_req``), ``--kvflow-api-keys-file F``,
+``--kvflow-tenant-header H``, ``--kvflow-host-link-gbps X`` (an emulated host link of X GB/s under SGLang's host->device
 copies, for CPU studies; see ``host_link.py``).
 
 Why the module registers the plugin at import time: SGLang starts its scheduler processes with
