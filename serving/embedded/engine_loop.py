@@ -6,7 +6,7 @@ the only caller of the cache manager, the model and the pool's load side. It rea
 ``Engine.__init__`` builds (annotated on the class below) and owns none of its own.
 
 One scheduler step: first poll of new arrivals (hit, pin, start on-demand loads of host-only
-prefixes) → ``manager.tick()`` (finish due loads) →
+prefixes, except for a request the skip scope passes over) → ``manager.tick()`` (finish due loads) →
 admit ready requests in the policy's admission order (kvflow: the oldest workflow's call first,
 ``serving/policy/admission.py``; status-aware: loading ones are skipped, see ``scheduler.py``; the
 prompt's pages are allocated and ``decode_reserve`` of max_tokens' reserved at admission, the
@@ -18,7 +18,7 @@ chunked prefill (``max_prefill_tokens`` per step, reusing each request's cached 
 Cache protocol per request: the policy core's session (``serving/policy/session.py``), as
 every engine drives it: ``manager.arrive`` when a request is added (its hints merged),
 ``poll`` when first seen by a step (hit counters, pin, start a demand load unless recomputing
-the host part is cheaper) and while it waits (status-aware: LOADING is skipped), ``admit`` for
+the host part is cheaper or the skip scope passes the request over) and while it waits (status-aware: LOADING is skipped), ``admit`` for
 its pages, ``commit`` after prefill (insert + tag the fixed prefix), ``finish`` at the end. The
 engine reports its step time (``observe_step``: a loaded request is admitted a step later) and,
 with ``recompute_aware``, its prefill speed (``observe_prefill``: the recompute estimate).
@@ -176,13 +176,11 @@ class EngineLoop:
         sched, mgr = self.scheduler, self.manager
         self.counters["steps"] += 1
         progress = False
-        for i, req in enumerate(list(sched.waiting)):  # bounded: polled requests pin their prefix
-            if i >= sched.max_batch:
-                break
-            if not req.session.looked:
-                # demand loads go on the link before this step's prefetches
-                self._guard(req, "cache lookup", self._poll, req)
-                progress = True
+        # bounded (max_batch deep): polled requests pin their prefix; demand loads go on the
+        # link before this step's prefetches, except a passed-over request's (skip scope)
+        for req, start_load in sched.first_looks():
+            self._guard(req, "cache lookup", req.poll, start_load)
+            progress = True
         rep = mgr.tick(self.pool.now(), prefetch=False)  # finish due loads
         progress |= bool(rep.loads_finished)
         if rep.expired_workflows:
@@ -267,17 +265,10 @@ class EngineLoop:
         n = self.manager.tags.hints.active_clients()
         self.manager.set_client_cap(None if n <= 1 else max(1, self.manager.device.capacity // n))
 
-    def _poll(self, req: Request) -> bool:
-        """Ask the cache whether ``req`` can run now (the first poll records its hit, pins its
-        prefix and starts a demand load); LOADING / NEEDS_LOAD keep it waiting."""
-        p = req.session.poll()
-        req.state = RequestState.WAITING if p.ready else RequestState.LOADING
-        return p.ready
-
     def _is_ready(self, req: Request) -> bool:
         """Status-aware readiness (the scheduler's admission rule): only requests a step has
         already looked at; a wait on a load is recorded by the session (hidden/exposed)."""
-        return req.session.looked and self._poll(req)
+        return req.session.looked and req.poll()
 
     def _admit(self, req: Request) -> bool:
         try:
@@ -549,6 +540,7 @@ class EngineLoop:
         self._snapshot = {
             "model": self.model_name, "policy": self.policy.name, "page_size": self.page_size,
             "counters": counters, "queue": self.scheduler.counts(),
+            "admission_passes": dict(self.scheduler.passes),
             "device_pages": {"capacity": mgr.device.capacity, "used": mgr.device.num_used,
                              "reserved": mgr.decode_reserved},
             "host_pages": {"capacity": mgr.host.capacity, "used": mgr.host.num_used},

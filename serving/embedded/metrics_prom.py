@@ -100,6 +100,11 @@ class EngineCollector:
         yield counter("load_seconds", "Host->device load time, hidden behind compute or exposed.",
                       labels=["kind"], samples=[(["hidden"], m["load_hidden_s"]),
                                                 (["exposed"], m["load_exposed_s"])])
+        yield counter("admission_passed_over", "Waiting requests an admission pass went past "
+                      "(once per pass), by why: their prefix still loading (the status-aware skip) "
+                      "or another workflow's call loading ahead of them (--skip-scope workflow).",
+                      labels=["reason"], samples=[([k], v) for k, v in
+                                                  sorted(s.get("admission_passes", {}).items())])
         yield gauge("queue_depth", "Requests by scheduler state.", labels=["state"],
                     samples=[([k], s["queue"].get(k, 0)) for k in ("waiting", "loading", "running")])
         yield gauge("loads_in_flight", "Host->device loads in flight.", s["loads_in_flight"])

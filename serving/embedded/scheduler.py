@@ -5,7 +5,8 @@ once per step and does the cache and model work itself.
 
 Request life cycle (``Request.state``)::
 
-    WAITING ──(first poll: matched, pinned, load started if host-only)──> WAITING/LOADING
+    WAITING ──(first poll: matched, pinned, load started if host-only and not passed over)──>
+        WAITING/LOADING
     LOADING ──(load ready)──> WAITING ──(admitted: pages allocated, prefill)──> RUNNING
     RUNNING ──(EOS / stop string / max_tokens / abort)──> FINISHED
     RUNNING ──(retracted: no room to grow past an optimistic reserve)──> WAITING
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 from kvflow_agents.serving.policy.admission import check_skip_scope, may_overtake
+from kvflow_agents.serving.policy.session import Readiness
 
 _ids = itertools.count(1)
 
@@ -185,6 +187,16 @@ class Request:
     prefill_at: Optional[float] = None
     first_token_at: Optional[float] = None
 
+    def poll(self, start_load: bool = True) -> bool:
+        """Ask its cache session whether it can run now (the first poll records its hit, pins
+        its prefix and, with ``start_load``, starts a demand load of a host-only part).
+        Not ready: state LOADING while a load on its prefix is in flight or was asked for,
+        else WAITING (a passed-over first look started none)."""
+        p = self.session.poll(start_load=start_load)
+        waits_on_load = not p.ready and (start_load or p.state is Readiness.LOADING)
+        self.state = RequestState.LOADING if waits_on_load else RequestState.WAITING
+        return p.ready
+
     @property
     def pages(self) -> list[int]:
         """Device page ids of the request's KV (the session's; empty until admitted)."""
@@ -226,6 +238,9 @@ class Scheduler:
         self.skip_scope = check_skip_scope(skip_scope)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # waiting requests an admission pass went past (once per pass): their prefix still
+        # loading (the status-aware skip), or another workflow's call loading ahead of them
+        self.passes = {"skipped_loading": 0, "held_for_workflow": 0}
 
     def add(self, req: Request) -> None:
         """Queue ``req`` in admission order (its session's ``admission_key``: arrival order
@@ -249,6 +264,26 @@ class Scheduler:
         return {"waiting": len(self.waiting) - loading, "loading": loading,
                 "running": len(self.running)}
 
+    def first_looks(self) -> Iterator[tuple[Request, bool]]:
+        """The waiting requests no step has looked at yet (in admission order, at most
+        ``max_batch`` deep), each with whether its first look may start a demand load: not
+        when the skip scope passes it over, behind a waiting request of another workflow whose
+        prefix is loading. It could not run before that one anyway, and its load would share
+        the FIFO link with that one's (the admission plan starts it once the plan reaches it).
+        The caller looks at each request (its ``state`` says LOADING if it now waits on a load)
+        before resuming the iterator."""
+        now = self.clock()
+        held = None                   # as in admission_plan, from the states polls left
+        for i, req in enumerate(list(self.waiting)):
+            if i >= self.max_batch:
+                return
+            passed_over = held is not None and not may_overtake(self.skip_scope, held, _workflow(req))
+            if not req.session.looked:
+                yield req, not passed_over
+            if (held is None and req.state is RequestState.LOADING
+                    and self._may_skip(req, now)):
+                held = _workflow(req)
+
     def admission_plan(self, is_ready: Callable[[Request], bool]) -> Iterator[Request]:
         """Yield waiting requests to admit, in order. The caller admits each one and calls
         :meth:`admitted` (or stops iterating when it could not, e.g. out of memory)."""
@@ -261,16 +296,23 @@ class Scheduler:
             if held is not None and not may_overtake(self.skip_scope, held, _workflow(req)):
                 # another workflow's: passed over untouched (not even polled: a poll can start
                 # its demand load, which would share the FIFO link with the skipped one's)
+                self.passes["held_for_workflow"] += 1
                 continue
             if not is_ready(req):
                 req.skips += 1
-                if self.status_aware and now - req.arrival < self.max_skip_s:
+                if self._may_skip(req, now):
+                    self.passes["skipped_loading"] += 1
                     if held is None:
                         held = _workflow(req)
                     continue          # skip it; it keeps its place in the queue
                 return                # head-of-line: a synchronous load blocks the queue
             budget -= 1
             yield req
+
+    def _may_skip(self, req: Request, now: float) -> bool:
+        """Status-aware skip: a request not ready to run lets others ahead (and keeps its place)
+        until it has waited ``max_skip_s``; then it blocks the queue (the age rule)."""
+        return self.status_aware and now - req.arrival < self.max_skip_s
 
     def admitted(self, req: Request) -> None:
         self.waiting.remove(req)

@@ -274,6 +274,62 @@ def test_skip_scope_decides_who_runs_ahead_of_a_loading_request(scope, first, wa
         Scheduler(skip_scope="nobody")
 
 
+@pytest.mark.parametrize("scope", ["workflow", "all"])
+def test_first_looks_start_no_load_for_a_request_the_skip_scope_passes_over(scope):
+    """Workflow A's call finds its prefix on host only; so does workflow B's call behind it.
+    The engine's first look (``first_looks`` + ``Request.poll``) starts A's demand load. Under
+    ``workflow`` B's first look pins and counts it but starts no load (B may not run before A's
+    call, and its load would share the FIFO link with A's); the admission plan starts it once
+    A's call is in. Under ``all`` both loads go on the link at once."""
+    from kvflow_agents.serving.policy import KVCacheManager, NullTransferBackend
+
+    clock = [0.0]
+    link = NullTransferBackend(bytes_per_page=1, link_bytes_per_s=3.0, clock=lambda: clock[0])
+    mgr = KVCacheManager("kvflow", page_size=1, device_pages=12, host_pages=64, backend=link)
+    for toks in ([10] * 3, [11] * 3):          # A's and B's prefixes, left by earlier calls
+        mgr.insert(toks, mgr.allocate(3))
+    mgr.free(mgr.allocate(mgr.device.num_free + mgr.evictable_device_pages))  # all to host
+    assert mgr.match([10] * 3, record=False).needs_load and mgr.match([11] * 3, record=False).needs_load
+    sched = Scheduler(max_batch=8, status_aware=True, skip_scope=scope, clock=lambda: 0.0)
+    for rid, wf, toks in [("a1", "A", [10] * 3 + [1]), ("b1", "B", [11] * 3 + [2]),
+                          ("c1", None, [12] * 4)]:
+        req = Request(toks, SamplingParams(max_tokens=1), lambda ev: None, rid=rid, arrival=0.0)
+        hints = Hints(workflow=wf, agent=rid, step=1, ste={rid: 0}) if wf else None
+        req.session = mgr.arrive(req.prompt_ids, hints, kv_tokens=5)
+        sched.add(req)
+    looks = []
+    for req, start_load in sched.first_looks():
+        looks.append((req.rid, start_load))
+        req.poll(start_load)
+    state = {r.rid: r.state.value for r in sched.waiting}
+    if scope == "workflow":
+        assert looks == [("a1", True), ("b1", False), ("c1", True)]
+        assert state == {"a1": "loading", "b1": "waiting", "c1": "waiting"}
+        assert mgr.metrics.demand_loads == 1
+    else:
+        assert looks == [("a1", True), ("b1", True), ("c1", True)]
+        assert state == {"a1": "loading", "b1": "loading", "c1": "waiting"}
+        assert mgr.metrics.demand_loads == 2
+    assert mgr.metrics.hit_tokens_host == 6                 # both first looks counted their hit
+    def plan() -> list:                                     # one admission pass, as the engine does it
+        took = []
+        for r in sched.admission_plan(lambda r: r.session.looked and r.poll()):
+            sched.admitted(r)
+            took.append(r.rid)
+        return took
+    assert plan() == ["c1"]
+    assert sched.passes == {"skipped_loading": 1 + (scope == "all"),
+                            "held_for_workflow": int(scope == "workflow")}
+    clock[0] = 1.5             # A's 3-page load has landed (and B's, under all: this backend's
+    mgr.tick(clock[0])         # loads do not queue; the embedded pool's emulated link does)
+    assert plan() == ["a1"] + (["b1"] if scope == "all" else [])
+    assert mgr.metrics.demand_loads == 2                     # B's: at its first look, or now
+    if scope == "workflow":
+        clock[0] = 2.5
+        mgr.tick(clock[0])
+        assert plan() == ["b1"]
+
+
 def test_chunked_prefill_matches_and_lets_decodes_run(tiny_model):
     """A prompt prefilled in 64-token chunks gives the same tokens as one prefill; a short request
     admitted alongside it gets its answer before the long prompt's prefill is done."""

@@ -158,6 +158,11 @@ def test_skip_scope_holds_another_workflows_call_behind_a_loading_one(serve, sco
             assert done["wf2"] - t0 > 0.5                # held until the loading call went in
         else:
             assert done["wf2"] < done["wf"] and done["wf2"] - t0 < 0.5
+        passed = {line.split('"')[1]: float(line.split()[-1]) for line in
+                  httpx.get(srv.url + "/metrics").text.splitlines()
+                  if line.startswith("kvflow_admission_passed_over_total{")}
+        assert passed["skipped_loading"] >= 1
+        assert (passed["held_for_workflow"] >= 1) is (scope == "workflow")
 
 
 def test_out_of_band_transition_and_end(serve):
