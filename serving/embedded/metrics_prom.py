@@ -101,8 +101,9 @@ class EngineCollector:
                       labels=["kind"], samples=[(["hidden"], m["load_hidden_s"]),
                                                 (["exposed"], m["load_exposed_s"])])
         yield counter("admission_passed_over", "Waiting requests an admission pass went past "
-                      "(once per pass), by why: their prefix still loading (the status-aware skip) "
-                      "or another workflow's call loading ahead of them (--skip-scope workflow).",
+                      "(once per pass), by why: not ready, their prefix loading or its load "
+                      "waiting for room (the status-aware skip), or another workflow's call "
+                      "loading ahead of them (--skip-scope workflow).",
                       labels=["reason"], samples=[([k], v) for k, v in
                                                   sorted(s.get("admission_passes", {}).items())])
         yield gauge("queue_depth", "Requests by scheduler state.", labels=["state"],

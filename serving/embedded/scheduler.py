@@ -19,7 +19,10 @@ Admission rule (status-aware continuous batching):
   ready requests behind it run meanwhile; under the other policies it blocks the queue
   (head-of-line, as a synchronous load would). Which requests may run ahead of it is the skip
   scope (``serving/policy/admission.py``): any (``all``), or its own workflow's and requests
-  without hints (``workflow``: another workflow's requests behind it keep their places too);
+  without hints (``workflow``: another workflow's requests behind it keep their places too,
+  and their first look starts no load). Only a load in flight holds others back: a request
+  whose load waits for device room is skipped too, but lets everyone by (as the simulator
+  and SGLang's hook, which hold for in-flight loads only);
 - no starvation: a skipped request keeps its place, so it is the first candidate once its load
   lands (a load finishes in bounded time); one skipped for longer than ``max_skip_s`` (its load
   could not even start, e.g. no device room) blocks younger requests until it is ready (age
@@ -190,11 +193,10 @@ class Request:
     def poll(self, start_load: bool = True) -> bool:
         """Ask its cache session whether it can run now (the first poll records its hit, pins
         its prefix and, with ``start_load``, starts a demand load of a host-only part).
-        Not ready: state LOADING while a load on its prefix is in flight or was asked for,
-        else WAITING (a passed-over first look started none)."""
+        State LOADING while a load on its prefix is in flight (a demand load or a prefetch),
+        else WAITING (ready, or host-only with no load started: passed over, or no room)."""
         p = self.session.poll(start_load=start_load)
-        waits_on_load = not p.ready and (start_load or p.state is Readiness.LOADING)
-        self.state = RequestState.LOADING if waits_on_load else RequestState.WAITING
+        self.state = RequestState.LOADING if p.state is Readiness.LOADING else RequestState.WAITING
         return p.ready
 
     @property
@@ -238,9 +240,9 @@ class Scheduler:
         self.skip_scope = check_skip_scope(skip_scope)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # waiting requests an admission pass went past (once per pass): their prefix still
-        # loading (the status-aware skip), or another workflow's call loading ahead of them
-        self.passes = {"skipped_loading": 0, "held_for_workflow": 0}
+        # waiting requests an admission pass went past (once per pass): not ready (the
+        # status-aware skip), or another workflow's call loading ahead of them (skip scope)
+        self.passes = {"skipped": 0, "held_for_workflow": 0}
 
     def add(self, req: Request) -> None:
         """Queue ``req`` in admission order (its session's ``admission_key``: arrival order
@@ -289,7 +291,7 @@ class Scheduler:
         :meth:`admitted` (or stops iterating when it could not, e.g. out of memory)."""
         budget = self.max_batch - len(self.running)
         now = self.clock()
-        held = None                   # the workflow of the first skipped request (with hints)
+        held = None                   # the workflow of the first skipped request whose load is in flight
         for req in list(self.waiting):
             if budget <= 0:
                 return
@@ -301,8 +303,11 @@ class Scheduler:
             if not is_ready(req):
                 req.skips += 1
                 if self._may_skip(req, now):
-                    self.passes["skipped_loading"] += 1
-                    if held is None:
+                    self.passes["skipped"] += 1
+                    if held is None and req.state is RequestState.LOADING:
+                        # only a load in flight holds the others (the scope's reason: its
+                        # pages and slot are needed the moment it lands); one whose load
+                        # waits for room, or not looked at yet, holds no one
                         held = _workflow(req)
                     continue          # skip it; it keeps its place in the queue
                 return                # head-of-line: a synchronous load blocks the queue

@@ -10,7 +10,7 @@ import pytest
 
 from kvflow_agents.protocol import Hints
 from kvflow_agents.serving.embedded.engine import Engine, EngineInputError
-from kvflow_agents.serving.embedded.scheduler import Request, SamplingParams, Scheduler
+from kvflow_agents.serving.embedded.scheduler import Request, RequestState, SamplingParams, Scheduler
 from kvflow_agents.serving.policy import get_policy
 from kvflow_agents.testing import wait_until
 
@@ -247,15 +247,17 @@ def test_scheduler_status_aware_skip_and_age_rule():
     assert list(s2.admission_plan(lambda r: r.rid in ready)) == []
 
 
-@pytest.mark.parametrize("scope,first,want", [
-    ("all", "a1", ["a2", "b1", "c1"]),         # the paper's skip: anyone behind it goes
-    ("workflow", "a1", ["a2", "c1"]),          # its sibling and a request without hints go;
-                                               # workflow B's call keeps its place
-    ("workflow", "c0", ["a1", "a2", "b1"]),    # a loading request without hints holds no one
+@pytest.mark.parametrize("scope,first,loading,want", [
+    ("all", "a1", True, ["a2", "b1", "c1"]),       # the paper's skip: anyone behind it goes
+    ("workflow", "a1", True, ["a2", "c1"]),        # its sibling and a request without hints
+                                                   # go; workflow B's call keeps its place
+    ("workflow", "c0", True, ["a1", "a2", "b1"]),  # a loading request without hints holds no one
+    ("workflow", "a1", False, ["a2", "b1", "c1"]),  # nor does one whose load waits for room
 ])
-def test_skip_scope_decides_who_runs_ahead_of_a_loading_request(scope, first, want):
-    """The first request (``first``) is still loading; the others are ready. Sessions and
-    admission keys come from the policy core (workflow order: A's calls, then B's)."""
+def test_skip_scope_decides_who_runs_ahead_of_a_loading_request(scope, first, loading, want):
+    """The first request (``first``) is not ready: its load is in flight (``loading``) or
+    could not start; the others are ready. Sessions and admission keys come from the policy
+    core (workflow order: A's calls, then B's)."""
     from kvflow_agents.serving.policy import KVCacheManager
 
     mgr = KVCacheManager("kvflow", device_pages=64, host_pages=64)
@@ -269,6 +271,8 @@ def test_skip_scope_decides_who_runs_ahead_of_a_loading_request(scope, first, wa
         req.session = mgr.arrive(req.prompt_ids, hints)
         sched.add(req)
     assert [r.rid for r in sched.waiting][0] == first
+    if loading:
+        sched.waiting[0].state = RequestState.LOADING     # as Request.poll leaves it
     assert [r.rid for r in sched.admission_plan(lambda r: r.rid != first)] == want
     with pytest.raises(ValueError, match="skip scope"):
         Scheduler(skip_scope="nobody")
@@ -318,7 +322,7 @@ def test_first_looks_start_no_load_for_a_request_the_skip_scope_passes_over(scop
             took.append(r.rid)
         return took
     assert plan() == ["c1"]
-    assert sched.passes == {"skipped_loading": 1 + (scope == "all"),
+    assert sched.passes == {"skipped": 1 + (scope == "all"),
                             "held_for_workflow": int(scope == "workflow")}
     clock[0] = 1.5             # A's 3-page load has landed (and B's, under all: this backend's
     mgr.tick(clock[0])         # loads do not queue; the embedded pool's emulated link does)

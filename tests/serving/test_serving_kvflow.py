@@ -161,7 +161,7 @@ def test_skip_scope_holds_another_workflows_call_behind_a_loading_one(serve, sco
         passed = {line.split('"')[1]: float(line.split()[-1]) for line in
                   httpx.get(srv.url + "/metrics").text.splitlines()
                   if line.startswith("kvflow_admission_passed_over_total{")}
-        assert passed["skipped_loading"] >= 1
+        assert passed["skipped"] >= 1
         assert (passed["held_for_workflow"] >= 1) is (scope == "workflow")
 
 
