@@ -6,22 +6,23 @@ the only caller of the cache manager, the model and the pool's load side. It rea
 ``Engine.__init__`` builds (annotated on the class below) and owns none of its own.
 
 One scheduler step: first poll of new arrivals (hit, pin, start on-demand loads of host-only
-prefixes, except for a request the skip scope passes over) → ``manager.tick()`` (finish due loads) →
-admit ready requests in the policy's admission order (kvflow: the oldest workflow's call first,
-``serving/policy/admission.py``; status-aware: loading ones are skipped, see ``scheduler.py``; the
-prompt's pages are allocated and ``decode_reserve`` of max_tokens' reserved at admission, the
-decode ones allocated as they are written) → start prefetches from the planner's plan (after
-admission: its backups go on the FIFO copy thread first) →
-chunked prefill (``max_prefill_tokens`` per step, reusing each request's cached device prefix)
-→ one batched decode over all running requests whose prefill is done.
+prefixes, except for a request the skip scope passes over) → ``manager.tick()`` (finish due
+loads) → admit ready requests in the policy's admission order (kvflow: the oldest workflow's
+call first, ``serving/policy/admission.py``; status-aware: loading ones are skipped, see
+``scheduler.py``; the prompt's pages are allocated and ``decode_reserve`` of max_tokens'
+reserved at admission, the decode ones allocated as they are written) → start prefetches from
+the planner's plan (after admission: its backups go on the FIFO copy thread first) → chunked
+prefill (``max_prefill_tokens`` per step, reusing each request's cached device prefix) → one
+batched decode over all running requests whose prefill is done.
 
-Cache protocol per request: the policy core's session (``serving/policy/session.py``), as
-every engine drives it: ``manager.arrive`` when a request is added (its hints merged),
-``poll`` when first seen by a step (hit counters, pin, start a demand load unless recomputing
-the host part is cheaper or the skip scope passes the request over) and while it waits (status-aware: LOADING is skipped), ``admit`` for
-its pages, ``commit`` after prefill (insert + tag the fixed prefix), ``finish`` at the end. The
-engine reports its step time (``observe_step``: a loaded request is admitted a step later) and,
-with ``recompute_aware``, its prefill speed (``observe_prefill``: the recompute estimate).
+Cache protocol per request: the policy core's session (``serving/policy/session.py``), as every
+engine drives it: ``manager.arrive`` when a request is added (its hints merged), ``poll`` when
+first seen by a step (hit counters, pin, start a demand load unless recomputing the host part
+is cheaper or the skip scope passes the request over) and while it waits (status-aware: LOADING
+is skipped), ``admit`` for its pages, ``commit`` after prefill (insert + tag the fixed prefix),
+``finish`` at the end. The engine reports its step time (``observe_step``: a loaded request is
+admitted a step later) and, with ``recompute_aware``, its prefill speed (``observe_prefill``:
+the recompute estimate).
 
 Failure isolation inside a step (one request never fails another): work on one request (poll,
 readiness, admission, prefill, sampling) runs under :meth:`EngineLoop._guard`: an exception

@@ -291,7 +291,7 @@ class Scheduler:
         :meth:`admitted` (or stops iterating when it could not, e.g. out of memory)."""
         budget = self.max_batch - len(self.running)
         now = self.clock()
-        held = None                   # the workflow of the first skipped request whose load is in flight
+        held = None                   # the workflow of the first skipped request loading now
         for req in list(self.waiting):
             if budget <= 0:
                 return
