@@ -282,8 +282,7 @@ class Scheduler:
             passed_over = held is not None and not may_overtake(self.skip_scope, held, _workflow(req))
             if not req.session.looked:
                 yield req, not passed_over
-            if (held is None and req.state is RequestState.LOADING
-                    and self._may_skip(req, now)):
+            if held is None and self._holds_back(req, now):
                 held = _workflow(req)
 
     def admission_plan(self, is_ready: Callable[[Request], bool]) -> Iterator[Request]:
@@ -302,15 +301,12 @@ class Scheduler:
                 continue
             if not is_ready(req):
                 req.skips += 1
-                if self._may_skip(req, now):
-                    self.passes["skipped"] += 1
-                    if held is None and req.state is RequestState.LOADING:
-                        # only a load in flight holds the others (the scope's reason: its
-                        # pages and slot are needed the moment it lands); one whose load
-                        # waits for room, or not looked at yet, holds no one
-                        held = _workflow(req)
-                    continue          # skip it; it keeps its place in the queue
-                return                # head-of-line: a synchronous load blocks the queue
+                if not self._may_skip(req, now):
+                    return            # head-of-line: a synchronous load blocks the queue
+                self.passes["skipped"] += 1
+                if held is None and self._holds_back(req, now):
+                    held = _workflow(req)
+                continue              # skip it; it keeps its place in the queue
             budget -= 1
             yield req
 
@@ -318,6 +314,13 @@ class Scheduler:
         """Status-aware skip: a request not ready to run lets others ahead (and keeps its place)
         until it has waited ``max_skip_s``; then it blocks the queue (the age rule)."""
         return self.status_aware and now - req.arrival < self.max_skip_s
+
+    def _holds_back(self, req: Request, now: float) -> bool:
+        """Whether a skipped request holds back the requests the skip scope does not let
+        overtake it: only while a load on its prefix is in flight (the scope's reason: its pages
+        and slot are needed the moment it lands). One whose load waits for room, or not looked
+        at yet, holds no one. The simulator and SGLang's hook apply the same rule."""
+        return req.state is RequestState.LOADING and self._may_skip(req, now)
 
     def admitted(self, req: Request) -> None:
         self.waiting.remove(req)
