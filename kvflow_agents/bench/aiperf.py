@@ -264,6 +264,9 @@ def as_policy_result(policy: str, trials: Sequence[dict], server: Optional[dict]
          "workflow_latency_p90_s": m.get("session_latency_p90_s"),
          "workflow_latency_trials_s": [[i, t.get("session_latency_p50_s")] for i, t in enumerate(trials)
                                        if t.get("session_latency_p50_s")],
+         # the server's model seconds per decode step in each trial (bench.speed)
+         "decode_step_trials_s": [[i, t["decode_step_s"]] for i, t in enumerate(trials)
+                                  if t.get("decode_step_s")],
          "ttft_mean_s": (m["ttft_avg_ms"] / 1e3) if m.get("ttft_avg_ms") else None,
          "call_latency_mean_s": (m["latency_avg_ms"] / 1e3) if m.get("latency_avg_ms") else None,
          "trials": len(trials)}
@@ -358,8 +361,8 @@ def run_aiperf_bench(*, aiperf_bin: str, spec, counter, policies: Sequence[str],
     counters. Returns :class:`PolicyResult` s."""
     import asyncio
 
-    from .runner import (ServerSet, _add_counters, fetch_cache_metrics, finish_counters,
-                         metrics_delta, rotated, warm_kernels)
+    from .runner import (ServerSet, _add_counters, decode_step_s, fetch_cache_metrics,
+                         finish_counters, metrics_delta, rotated, warm_kernels)
     from .workload import WorkflowDriver
 
     per: dict[str, list[dict]] = {p: [] for p in policies}
@@ -387,8 +390,9 @@ def run_aiperf_bench(*, aiperf_bin: str, spec, counter, policies: Sequence[str],
                 if progress is not None:
                     progress(f"{p} trial {t + 1}: aiperf")
                 res = run_aiperf(aiperf_bin, this, ss.servers[p].url, workdir / f"aiperf-{p}-t{t}")
-                counters[p] = _add_counters(counters.get(p), metrics_delta(before, asyncio.run(fetch_cache_metrics(url))))
-                per[p].append(res)
+                delta = metrics_delta(before, asyncio.run(fetch_cache_metrics(url)))
+                counters[p] = _add_counters(counters.get(p), delta)
+                per[p].append({**res, "decode_step_s": decode_step_s(delta)})
                 log(f"[{p}] trial {t + 1}: {res.get('requests'):.0f} requests, session p50 "
                     f"{res.get('session_latency_p50_s') or 0:.3f} s, TTFT avg {res.get('ttft_avg_ms') or 0:.1f} ms")
         argv = {p: ss.argv(p) for p in policies}

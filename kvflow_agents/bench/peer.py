@@ -33,8 +33,9 @@ from uuid import UUID
 
 from kvflow_agents.serving.policy.policies import is_reference
 
-from .runner import (PolicyResult, ServerConfig, ServerSet, _add_counters, _raw, fetch_cache_metrics,
-                     finish_counters, metrics_delta, rotated, settled_heap, summarize_workload)
+from .runner import (PolicyResult, ServerConfig, ServerSet, _add_counters, _raw, decode_step_s,
+                     fetch_cache_metrics, finish_counters, metrics_delta, rotated, settled_heap,
+                     summarize_workload)
 from .workload import CallRecord, RoundRecord, WorkloadResult, token_counter
 
 AGENTS = ("planner", "executor", "expresser", "reviewer")
@@ -284,6 +285,7 @@ def _run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, po
                     api_key: Optional[str], progress: Optional[Callable[[str, int], Any]],
                     keep_raw: bool, fresh_servers: bool, log: Callable[[str], Any]) -> list[PolicyResult]:
     counters: dict[str, Optional[dict]] = {}
+    speeds: dict[str, list] = {}          # label -> [question, decode_step_s] (bench.speed)
     apps: dict[str, list[PeerApp]] = {}   # label -> one app per server set it ran on
 
     def metrics(url: str) -> Optional[dict]:
@@ -316,7 +318,10 @@ def _run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, po
                 with settled_heap():
                     dt = apps[label][-1].ask(q, i, label, True)
                 _oob_flush()
-                counters[label] = _add_counters(counters.get(label), metrics_delta(before, metrics(urls[label])))
+                delta = metrics_delta(before, metrics(urls[label]))
+                counters[label] = _add_counters(counters.get(label), delta)
+                if (v := decode_step_s(delta)) is not None:
+                    speeds.setdefault(label, []).append([i, v])
                 log(f"[{label}] question {q.id}: {dt:.1f}s")
 
     if base_url:
@@ -342,6 +347,7 @@ def _run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, po
                              measured_s=sum(pa.result.measured_s for pa in runs))
         summary = summarize_workload(res)
         summary["instrumented"] = all(pa.instrumented for pa in runs)
+        summary["decode_step_trials_s"] = speeds.get(label, [])
         summary["answers"] = [a for pa in runs for a in pa.answers if a["measured"]]
         summary["calls_per_agent"] = {a: sum(1 for c in res.calls if c.measured and c.agent == a)
                                       for a in AGENTS}

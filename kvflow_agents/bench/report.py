@@ -34,8 +34,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from statistics import mean
 from typing import Any, Optional, Sequence
 
+from . import speed
 from .runner import PolicyResult
 
 LATENCY_KEY = "workflow_latency_p50_s"     # what targets are judged on
@@ -220,6 +222,8 @@ def cost_saving(results: Sequence[PolicyResult]) -> dict[str, dict[str, Optional
 def check_targets(results: Sequence[PolicyResult], targets: Sequence[Target]) -> list[dict]:
     rat, mrat = ratios(results), ratios(results, MEAN_KEY)
     sav = saving_ratios(results)
+    adj = speed.adjusted(results)
+    asav = saving_ratios(adj) if adj else {}
     key = lambda t: f"speedup_vs_{t.baseline}" if t.op == ">=" else f"latency_vs_{t.baseline}"  # noqa: E731
     out = []
     for t in targets:
@@ -228,6 +232,9 @@ def check_targets(results: Sequence[PolicyResult], targets: Sequence[Target]) ->
             s = sav.get(t.policy, {}).get(t.baseline, {})
             v, vm = s.get("ratio"), s.get("ratio_mean")
             extra = {"trial_min": s.get("min"), "trial_max": s.get("max"), "ci": s.get("ci")}
+            a = asav.get(t.policy, {}).get(t.baseline)
+            if a:  # the same target on speed-adjusted trials (.speed); judged on the raw one
+                extra["speed_adjusted"] = {"measured": a["ratio"], "ci": a["ci"]}
         else:
             v = rat.get(t.policy, {}).get(key(t))
             vm = mrat.get(t.policy, {}).get(key(t))
@@ -266,8 +273,27 @@ def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Targe
             "ttft_ratios": ratios(results, "ttft_mean_s"),
             "saving": saving_ratios(results),
             "saving_same_pool": saving_ratios(results, oracle="oracle-pool"),
+            "speed_adjusted": speed_summary(results),
             "targets": check_targets(results, targets),
             "target_specs": [dataclasses.asdict(t) for t in targets]}
+
+
+def speed_summary(results: Sequence[PolicyResult]) -> Optional[dict]:
+    """What :mod:`.speed` makes of a run (``None`` without per-trial decode speeds): the fitted
+    elasticity, each policy's decode-step time over the oracle's, its per-trial latency over the
+    oracle's raw and speed-adjusted (geometric mean, 90 % bootstrap interval), and the
+    achievable saving on the adjusted trials."""
+    adj = speed.adjusted(results)
+    if adj is None:
+        return None
+    ref = "oracle"
+    return {"beta": adj[0].workload["speed_beta"], "trials": len(adj[0].workload["workflow_latency_trials_s"]),
+            "speed_vs_oracle": speed.speed_ratios(results, ref),
+            "latency_vs_oracle": {r.policy: speed.paired_ratio(results, r.policy, ref)
+                                  for r in results if r.policy != ref},
+            "latency_vs_oracle_adjusted": {r.policy: speed.paired_ratio(adj, r.policy, ref)
+                                           for r in adj if r.policy != ref},
+            "saving": saving_ratios(adj)}
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -330,6 +356,8 @@ def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, 
     sav = saving_ratios(results)
     psav = saving_ratios(results, oracle="oracle-pool")
     csav = cost_saving(results)
+    adj = speed.adjusted(results)
+    asav = saving_ratios(adj) if adj else {}
 
     def w(key, kind):
         return [_fmt(r.workload.get(key), kind) for r in results]
@@ -351,6 +379,22 @@ def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, 
                 vals.append(_range([x["min"], x["max"]], "f2") if x["trials"] else "-")
         return vals
 
+    def vs_oracle(res):
+        vals = []
+        for r in results:
+            x = speed.paired_ratio(res, r.policy) if res and r.policy != "oracle" else None
+            vals.append(f"{x['ratio']:.3f}" if x else "-")
+        return vals
+
+    def vs_oracle_ci(res):
+        vals = []
+        for r in results:
+            x = speed.paired_ratio(res, r.policy) if res and r.policy != "oracle" else None
+            vals.append(_range([x["lo"], x["hi"]], "f2") if x else "-")
+        return vals
+
+    step_ms = [_fmt(mean(v for _, v in tr) if (tr := r.workload.get("decode_step_trials_s")) else None, "ms")
+               for r in results]
     trial_p50 = [_range([v for _, v in (r.workload.get("workflow_latency_trials_s") or [])], "s")
                  for r in results]
     pf = [f"{_fmt((r.server or {}).get('prefetch_used'), 'int')}/"
@@ -382,6 +426,13 @@ def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, 
         (f"  {CI_LEVEL:.0%} CI (mean)", saving("hicache", "ci")),
         *([("saving vs hicache, pool", saving("hicache", "ratio", psav)),
            ("  over trials", saving("hicache", "range", psav))] if psav else []),
+        *([("model ms / decode step", step_ms),
+           ("vs oracle per trial", vs_oracle(results)),
+           ("  speed-adjusted", vs_oracle(adj)),
+           (f"  {CI_LEVEL:.0%} CI", vs_oracle_ci(adj)),
+           ("saving vs hicache, adj.", saving("hicache", "ratio", asav)),
+           (f"  {CI_LEVEL:.0%} CI (mean)", saving("hicache", "ci", asav)),
+           ("saving vs lru, adj.", saving("lru", "ratio", asav))] if adj else []),
         ("cache cost (s)", w("cache_cost_s", "s")),
         ("cost saving vs lru", [_fmt(csav.get(r.policy, {}).get("lru"), "f2") for r in results]),
         ("cost saving vs hicache", [_fmt(csav.get(r.policy, {}).get("hicache"), "f2") for r in results]),
@@ -472,6 +523,11 @@ def target_lines(results: Sequence[PolicyResult], targets: Sequence[Target]) -> 
             spread += f"; mean's {ci['level']:.0%} CI {ci['lo']:.2f}..{ci['hi']:.2f} {verdict}"
         out.append(f"target {t['target']}: {t['measured']:.2f}{unit} (p50) -> "
                    f"{'met' if t['met'] else 'MISSED'}{mean}{spread}")
+        a = t.get("speed_adjusted")
+        if a and a["measured"] is not None:
+            aci = a.get("ci")
+            out.append(f"  speed-adjusted (bench.speed): {a['measured']:.2f}"
+                       + (f"; mean's {aci['level']:.0%} CI {aci['lo']:.2f}..{aci['hi']:.2f}" if aci else ""))
     return out
 
 
@@ -485,7 +541,7 @@ def print_report(console, results: Sequence[PolicyResult], *, title: str,
                       + (f", {hb:.2f}x hicache" if hb else "") + " (p50); no policy on this engine "
                       "and workload can exceed that")
     for line in target_lines(results, targets):
-        color = "green" if "-> met" in line else "red"
+        color = "dim" if line.startswith(" ") else "green" if "-> met" in line else "red"
         console.print(f"[{color}]{line}[/]", highlight=False)
 
 

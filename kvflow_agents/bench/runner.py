@@ -37,7 +37,9 @@ ORACLES = tuple(p for p in POLICIES if is_reference(p))   # references, not cont
 _COUNTERS = ("requests", "hit_tokens_device", "hit_tokens_host", "hit_tokens_loading", "miss_tokens",
              "backup_pages", "dropped_pages", "demand_loads", "demand_load_pages", "prefetch_issued",
              "prefetch_pages", "prefetch_used", "prefetch_wasted", "prefetch_evicted_pages",
-             "prefetch_stale", "prefetch_deferred", "load_hidden_s", "load_exposed_s", "retractions")
+             "prefetch_stale", "prefetch_deferred", "load_hidden_s", "load_exposed_s", "retractions",
+             # the engine's own (``/kvflow/v1/cache``'s "engine", prefixed): how fast the process ran
+             "engine_steps", "engine_decode_steps", "engine_prefill_forward_s", "engine_decode_forward_s")
 _BY_REASON = ("evictions", "evicted_pages", "prefetch_wasted_by")   # counters keyed by reason
 
 
@@ -100,7 +102,8 @@ def parse_policies(text: str) -> list[str]:
 
 # ------------------------------------------------------------------------------ server counters
 async def fetch_cache_metrics(base_url: str, api_key: Optional[str] = None) -> Optional[dict]:
-    """``GET /kvflow/v1/cache``'s ``metrics`` (``None`` when the server has no such endpoint)."""
+    """``GET /kvflow/v1/cache``'s ``metrics``, with its ``engine`` counters as ``engine_*``
+    (``None`` when the server has no such endpoint)."""
     import httpx
 
     from kvflow_agents.oob import server_root
@@ -111,8 +114,11 @@ async def fetch_cache_metrics(base_url: str, api_key: Optional[str] = None) -> O
             r = await c.get(server_root(base_url) + "/kvflow/v1/cache", headers=headers)
             if r.status_code != 200:
                 return None
-            m = r.json().get("metrics")
-            return m if isinstance(m, dict) else None
+            doc = r.json()
+            m, eng = doc.get("metrics"), doc.get("engine")
+            if not isinstance(m, dict):
+                return None
+            return {**m, **({f"engine_{k}": v for k, v in eng.items()} if isinstance(eng, dict) else {})}
     except Exception:  # noqa: BLE001
         return None
 
@@ -210,6 +216,14 @@ def _add_counters(acc: Optional[dict], d: Optional[dict]) -> Optional[dict]:
     return acc
 
 
+def decode_step_s(delta: Optional[dict]) -> Optional[float]:
+    """Model seconds per batched decode step over a counter delta: how fast the serving process
+    ran (per process, it differs by up to ~20 % for the same code, RESULTS.md §6.25), read off
+    work every policy does alike. ``None`` without engine counters or decode steps."""
+    n = (delta or {}).get("engine_decode_steps")
+    return delta["engine_decode_forward_s"] / n if n else None
+
+
 def finish_counters(acc: Optional[dict]) -> Optional[dict]:
     """Recompute the rates of summed counters."""
     if acc is None:
@@ -267,6 +281,7 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
     per_trial = spec.workflows * spec.calls_per_round * (spec.rounds + spec.warmup_rounds)
     merged: dict[str, WorkloadResult] = {}
     counters: dict[str, Optional[dict]] = {}
+    speeds: dict[str, list] = {}           # [trial, decode_step_s] per policy
 
     def run_one(label: str, url: str, mdl: str, trial: int) -> None:
         def on_call(rec: CallRecord) -> None:
@@ -280,6 +295,8 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
         acc.rounds.extend(res.rounds)
         acc.measured_s += res.measured_s
         counters[label] = _add_counters(counters.get(label), delta)
+        if (v := decode_step_s(delta)) is not None:
+            speeds.setdefault(label, []).append([trial, v])
 
     if base_url:
         labels = ["external"]
@@ -315,6 +332,7 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
         res = merged[p]
         summary = summarize_workload(res)
         summary["trials"] = trials
+        summary["decode_step_trials_s"] = speeds.get(p, [])
         out.append(PolicyResult(p, summary, finish_counters(counters.get(p)), argv[p], startup[p],
                                 _raw(res) if keep_raw else None))
         if summary.get("errors"):

@@ -11,7 +11,8 @@ loads read as ``device``). Sizes are in tokens, not pages, for a person debuggin
                     "agents": [{"agent": "planner", "residency": "device|loading|host|none",
                                 "ste": 1, "priority": 1, "tokens": 480}]}],
      "queue": {"waiting", "loading", "running"}, "loads_in_flight": 0,
-     "link": {"emulated_gbps": 0.5 | null}, "metrics": {...}}
+     "link": {"emulated_gbps": 0.5 | null}, "metrics": {...},
+     "engine": {"steps", "decode_steps", "prefill_forward_s", "decode_forward_s"}}
 
 ``ste``/``priority`` ``null`` mean infinity (never again / not protected). With a ``tenant``
 (the server's tenancy), only that tenant's workflows are listed, under the ids it sent.
@@ -21,6 +22,11 @@ from __future__ import annotations
 
 import math
 from typing import Optional
+
+
+# the engine's own counters a report carries beside the cache's: the benches read a process's
+# speed off them (model seconds per decode step) to pair trials run on different processes
+ENGINE_COUNTERS = ("steps", "decode_steps", "prefill_forward_s", "decode_forward_s")
 
 
 def cache_report(engine, tenant: Optional[str] = None) -> dict:
@@ -63,6 +69,7 @@ def cache_report(engine, tenant: Optional[str] = None) -> dict:
         "loads_in_flight": snap["loads_in_flight"],
         "link": {"emulated_gbps": engine.config.host_link_gbps},
         "metrics": {k: num(v) for k, v in snap["metrics"].items()},
+        "engine": {k: engine.counters[k] for k in ENGINE_COUNTERS},
     }
 
 

@@ -323,8 +323,10 @@ class EngineLoop:
         t0 = time.perf_counter()
         logits = self.model.prefill(self.pool.device_kv, tokens[req.prefilled:req.prefilled + k],
                                     req.pages, req.prefilled)
+        dt = time.perf_counter() - t0
+        self.counters["prefill_forward_s"] += dt
         if self.config.recompute_aware:  # the recompute estimate of load-vs-recompute
-            self.manager.observe_prefill(k, time.perf_counter() - t0)
+            self.manager.observe_prefill(k, dt)
         req.prefilled += k
         req.kv_len = req.prefilled  # session.tokens is a prefix of prompt + outputs
         if req.prefilled == len(tokens):
@@ -368,7 +370,9 @@ class EngineLoop:
         self.counters["decode_steps"] += 1
         picks: dict = {}
         try:
+            t0 = time.perf_counter()
             logits = self._decode_logits(seqs)
+            self.counters["decode_forward_s"] += time.perf_counter() - t0
             if len(sampled) < len(running):
                 logits = logits[sampled]
             picks = dict(zip(sampled, self.sampler.sample(logits, [running[i] for i in sampled])))

@@ -19,6 +19,8 @@ scrape never waits for a model step. Names (all prefixed ``kvflow_``):
 - ``requests_total``, ``requests_finished_total{reason}``, ``tokens_total{kind}``,
   ``hints_total{result=accepted|rejected}``, ``engine_step_failures_total`` (failures no single
   request caused; request-caused ones finish that request with reason ``error``);
+  ``engine_steps_total{kind=all|decode}``, ``model_forward_seconds_total{phase=prefill|decode}``
+  (the model's share of the engine thread; per decode step, how fast this process runs);
 - the hint registry's bounded state: ``hint_workflows{state=live|expired}``, ``hint_agents``,
   ``hint_clients`` (tenants with a live workflow), ``hint_workflows_removed_total{reason=
   forgotten|evicted|released}``, ``hint_agents_dropped_total``; ``client_cap_pages`` (the
@@ -119,6 +121,13 @@ class EngineCollector:
                     m["device_hit_rate"])
         yield counter("engine_step_failures", "Engine steps that failed for no single request.",
                       c.get("step_failures", 0))
+        yield counter("engine_steps", "Engine steps, and those that ran a batched decode.",
+                      labels=["kind"], samples=[(["all"], c.get("steps", 0)),
+                                                (["decode"], c.get("decode_steps", 0))])
+        yield counter("model_forward_seconds", "Wall time in the model's forwards on the engine "
+                      "thread, by phase (the rest of a step is scheduling, cache and sampling).",
+                      labels=["phase"], samples=[(["prefill"], c.get("prefill_forward_s", 0.0)),
+                                                 (["decode"], c.get("decode_forward_s", 0.0))])
         h = s.get("hints")
         if h is not None:
             yield gauge("hint_workflows", "Workflows in the hint registry.", labels=["state"],

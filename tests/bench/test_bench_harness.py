@@ -525,4 +525,7 @@ def test_fresh_servers_start_each_trial_on_new_processes(server_set_pids):
     for res in out:
         w = res.workload
         assert w["calls"] == 2 * 2 and w["errors"] == 0 and w["trials"] == 2
+        # each trial's server said how fast its model ran (bench.speed pairs trials by it)
+        assert [t for t, _ in w["decode_step_trials_s"]] == [0, 1]
+        assert all(0 < v < 1 for _, v in w["decode_step_trials_s"])
         assert res.startup_s > 0 and res.serve_argv[:2] == ["kvflow", "serve"]

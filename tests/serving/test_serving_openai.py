@@ -202,6 +202,30 @@ def test_metrics_endpoint(serve):
         assert float(dev[0].split()[-1]) > 0
 
 
+def test_model_forward_time_is_reported_beside_the_steps(serve):
+    """The engine's own counters (what the benches pair trials by: model seconds per decode
+    step) over HTTP, in ``/kvflow/v1/cache`` and ``/metrics``, agreeing with each other."""
+    with serve(policy="kvflow") as srv:
+        before = srv.cache()["engine"]
+        srv.client().chat.completions.create(
+            model="tiny-random", messages=[SYSTEM, {"role": "user", "content": "q"}], max_tokens=6,
+            extra_body={"ignore_eos": True})
+        wait_until(lambda: srv.engine.stats()["counters"]["finished"] == 1)
+        eng = srv.cache()["engine"]
+        assert eng["decode_steps"] - before["decode_steps"] == 5   # the first token is prefill's
+        assert eng["steps"] >= eng["decode_steps"]
+        assert eng["prefill_forward_s"] > before["prefill_forward_s"]
+        assert eng["decode_forward_s"] > before["decode_forward_s"]
+        wait_until(lambda: srv.engine.stats()["counters"]["decode_steps"] == eng["decode_steps"])
+        srv.engine.call(lambda e: e._publish(force=True))
+        prom = {line.rsplit(" ", 1)[0]: float(line.split()[-1])
+                for line in httpx.get(srv.url + "/metrics").text.splitlines()
+                if line.startswith(("kvflow_engine_steps_total", "kvflow_model_forward_seconds_total"))}
+        assert prom['kvflow_engine_steps_total{kind="decode"}'] == eng["decode_steps"]
+        assert prom['kvflow_model_forward_seconds_total{phase="decode"}'] == pytest.approx(eng["decode_forward_s"])
+        assert prom['kvflow_model_forward_seconds_total{phase="prefill"}'] == pytest.approx(eng["prefill_forward_s"])
+
+
 def test_request_json_roundtrip_raw_http(serve):
     """A plain HTTP client (no SDK) gets an SSE stream ending in [DONE]."""
     with serve(policy="hicache") as srv:

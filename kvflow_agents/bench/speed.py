@@ -1,0 +1,122 @@
+"""Speed-adjusted trial latencies: comparing trials that ran on processes of different speed.
+
+Why: on this box one serving process runs up to ~20 % faster or slower than another started
+from the same code (RESULTS.md §6.22, §6.25), so even fresh servers per trial leave per-trial
+ratios between policies spread by +-7 % (12 trials of 8 workflows), wider than the differences
+issue #16 asks about. Each server reports the model's seconds per batched decode step
+(``decode_step_trials_s``, from the engine's ``decode_forward_s`` / ``decode_steps``): work
+every policy does alike, so it measures how fast that process ran. Over 12 such trials it
+explained ~94 % of the variance of kvflow / oracle (correlation 0.97, RESULTS.md §6.32).
+
+The model (a covariate adjustment, as CUPED does for A/B tests), per policy ``p`` and trial
+``t``::
+
+    log latency[p, t] = a[p] + b[t] + beta * log speed[p, t] + noise
+
+``beta`` is fitted within trials and policies (both demeaned), then each latency is moved to
+the run's mean speed: ``latency * exp(-beta * (log speed - mean log speed))``. The policies'
+effects ``a[p]`` are untouched; what the adjustment removes is the part of the spread that
+follows the process's speed.
+
+The caveat: whatever moves the model's decode time is taken for the process's speed, including
+a policy's own effect on the forwards (copies competing for the two cores, a batch composed
+differently). :func:`speed_ratios` (a policy's mean speed over the reference's) shows how far
+that goes; the raw figures stay beside the adjusted ones, and targets are judged on the raw
+ones. The bootstrap intervals over adjusted trials hold ``beta`` fixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from statistics import mean, median
+from typing import Optional, Sequence
+
+from .runner import PolicyResult
+
+MIN_TRIALS = 3
+
+
+def _panel(results: Sequence[PolicyResult]) -> tuple[list[str], list[int], dict]:
+    """``(policies, trials, {(p, t): (log latency, log speed)})`` over the trials every policy
+    has both figures for (a balanced panel)."""
+    cells: dict[str, dict[int, tuple[float, float]]] = {}
+    for r in results:
+        lat = {int(t): v for t, v in r.workload.get("workflow_latency_trials_s") or [] if v}
+        spd = {int(t): v for t, v in r.workload.get("decode_step_trials_s") or [] if v}
+        cells[r.policy] = {t: (math.log(lat[t]), math.log(spd[t])) for t in lat.keys() & spd.keys()}
+    trials = sorted(set.intersection(*(set(c) for c in cells.values()))) if cells else []
+    pols = [r.policy for r in results]
+    return pols, trials, {(p, t): cells[p][t] for p in pols for t in trials}
+
+
+def fit_beta(results: Sequence[PolicyResult]) -> Optional[float]:
+    """The elasticity of trial latency to the process's speed, within trials and policies;
+    ``None`` with fewer than :data:`MIN_TRIALS` common trials or no spread in speed."""
+    pols, trials, cell = _panel(results)
+    if len(trials) < MIN_TRIALS or len(pols) < 2:
+        return None
+    n = len(pols) * len(trials)
+    grand = [sum(cell[p, t][i] for p in pols for t in trials) / n for i in (0, 1)]
+    by_p = {p: [mean(cell[p, t][i] for t in trials) for i in (0, 1)] for p in pols}
+    by_t = {t: [mean(cell[p, t][i] for p in pols) for i in (0, 1)] for t in trials}
+
+    def within(p: str, t: int, i: int) -> float:
+        return cell[p, t][i] - by_p[p][i] - by_t[t][i] + grand[i]
+    sxx = sum(within(p, t, 1) ** 2 for p in pols for t in trials)
+    if sxx <= 0:
+        return None
+    return sum(within(p, t, 1) * within(p, t, 0) for p in pols for t in trials) / sxx
+
+
+def adjusted(results: Sequence[PolicyResult]) -> Optional[list[PolicyResult]]:
+    """Copies of ``results`` whose trial latencies are moved to the run's mean speed (module
+    doc), with ``workflow_latency_p50_s`` / ``_mean_s`` the median / mean of those trials and
+    ``speed_beta`` set; ``None`` when :func:`fit_beta` has no fit. Only the trials every policy
+    has a speed for are kept."""
+    beta = fit_beta(results)
+    if beta is None:
+        return None
+    pols, trials, cell = _panel(results)
+    mean_log_speed = mean(cell[p, t][1] for p in pols for t in trials)
+    out = []
+    for r in results:
+        per = [[t, math.exp(cell[r.policy, t][0] - beta * (cell[r.policy, t][1] - mean_log_speed))]
+               for t in trials]
+        vals = [v for _, v in per]
+        w = {**r.workload, "workflow_latency_trials_s": per, "workflow_latency_p50_s": median(vals),
+             "workflow_latency_mean_s": mean(vals), "speed_beta": beta}
+        out.append(dataclasses.replace(r, workload=w, raw=None))
+    return out
+
+
+def speed_ratios(results: Sequence[PolicyResult], reference: str = "oracle") -> dict[str, float]:
+    """Per policy, its geometric-mean decode-step time over the reference's on the common trials
+    (1.0: the forwards ran at the same speed; above: slower, whether by the process's luck or
+    the policy's own doing)."""
+    pols, trials, cell = _panel(results)
+    if reference not in pols or not trials:
+        return {}
+    return {p: math.exp(mean(cell[p, t][1] - cell[reference, t][1] for t in trials)) for p in pols}
+
+
+def paired_ratio(results: Sequence[PolicyResult], policy: str, reference: str = "oracle", *,
+                 level: float = 0.90, resamples: int = 4000, seed: int = 0) -> Optional[dict]:
+    """Geometric mean over trials of ``policy``'s trial latency over ``reference``'s, with a
+    percentile-bootstrap interval over trials: ``{"ratio", "lo", "hi", "level", "trials"}``.
+    Give it :func:`adjusted` results for the speed-adjusted ratio."""
+    import random
+
+    by = {r.policy: {int(t): v for t, v in r.workload.get("workflow_latency_trials_s") or [] if v}
+          for r in results}
+    if policy not in by or reference not in by:
+        return None
+    ts = sorted(by[policy].keys() & by[reference].keys())
+    if len(ts) < MIN_TRIALS:
+        return None
+    logs = [math.log(by[policy][t] / by[reference][t]) for t in ts]
+    rng, n = random.Random(seed), len(logs)
+    boot = sorted(sum(logs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    tail = (1 - level) / 2
+    return {"ratio": math.exp(mean(logs)), "lo": math.exp(boot[int(tail * (resamples - 1))]),
+            "hi": math.exp(boot[int((1 - tail) * (resamples - 1))]), "level": level, "trials": n}
