@@ -333,7 +333,7 @@ def _run_peer_bench(questions: Sequence, warmup: Sequence, opts: PeerOptions, po
         started: dict[str, list[float]] = {p: [] for p in policies}
         quiet: Callable[[str], Any] = lambda s: None  # noqa: E731
         for k in range(sets):
-            with ServerSet(server, policies, log=log if k == 0 else quiet) as ss:
+            with ServerSet(server, rotated(list(policies), k), log=log if k == 0 else quiet) as ss:
                 for p in policies:
                     started[p].append(ss.servers[p].started_s)
                 run_set({p: ss.servers[p].base_url for p in policies},

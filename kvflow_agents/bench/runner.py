@@ -323,7 +323,8 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
                 progress(f"start:{p}", per_trial * trials)
         quiet: Callable[[str], Any] = lambda s: None  # noqa: E731
         for t in range(trials) if fresh_servers else [0]:
-            with ServerSet(server, labels, log=log if t == 0 else quiet) as ss:
+            # started in the trial's rotated order too: no column always starts first or last
+            with ServerSet(server, rotated(labels, t), log=log if t == 0 else quiet) as ss:
                 run_trials(ss, range(t, t + 1) if fresh_servers else range(trials))
         argv = {p: server.display_argv(p) for p in labels}
         startup = {p: sum(v) / len(v) for p, v in started.items()}

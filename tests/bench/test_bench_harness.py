@@ -522,6 +522,7 @@ def test_fresh_servers_start_each_trial_on_new_processes(server_set_pids):
     out = runner.run_workflow_bench(spec, ["lru", "kvflow"], server, counter=token_counter("tiny-random"),
                                     trials=2, fresh_servers=True)
     assert len(pids) == 2 and pids[0]["kvflow"] != pids[1]["kvflow"] and pids[0]["lru"] != pids[1]["lru"]
+    assert [list(p) for p in pids] == [["lru", "kvflow"], ["kvflow", "lru"]]   # start order rotates
     for res in out:
         w = res.workload
         assert w["calls"] == 2 * 2 and w["errors"] == 0 and w["trials"] == 2
