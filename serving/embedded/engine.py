@@ -140,7 +140,8 @@ class Engine(EngineLoop):
                          "hints_rejected": 0, "hints_accepted": 0, "steps": 0, "decode_steps": 0,
                          "step_failures": 0,
                          # wall seconds inside the model's forwards (engine thread): what the
-                         # process's speed does to every policy alike; the benches pair trials by it
+                         # process's speed does to every policy alike; the benches pair trials by
+                         # it. On CUDA only the launches (the forward is asynchronous there)
                          "prefill_forward_s": 0.0, "decode_forward_s": 0.0}
         self._snapshot: dict = {}
         self._outbox: dict = {}            # event loop -> [(queue, event)] of this step
