@@ -1,22 +1,12 @@
 """The side-by-side report: a rich table (one column per policy), ratios vs lru / hicache /
-oracle, target checks and ``--json``; ``--plot out.png`` is :mod:`.report_plot`'s.
+oracle, target checks and ``--json``; ``--plot out.png`` is :mod:`.report_plot`'s. The numbers
+(ratios, the achievable saving and its interval, the cache cost) are :mod:`.stats`'s; targets
+are judged on the median-based ones (the mean-based ratios are printed too).
 
-Ratios use the workflow latency (one round of the workflow, or one PEER question):
-``speedup vs X = latency(X) / latency(policy)`` (higher is better) and
-``vs oracle = latency(policy) / latency(oracle)`` (1.0 = the physical limit; lower is better).
-They are given for the median (p50) and the mean; targets are judged on the median, which a
-noisy neighbour on a shared machine moves least (the mean-based ratios are printed too).
-
-**Achievable saving** (:func:`saving_ratios`): ``(baseline - policy) / (baseline - oracle)`` of
-the workflow latency, i.e. the share of the time the oracle saves over a baseline (lru or
-hicache) that the policy saves too (1.0 = all of it). Besides the pooled value it is computed per
-trial (per PEER question), pairing the policies' runs of the same trial, and the spread (min,
-median, max) is reported: a ratio of differences is noisy, and the spread says how much. The
-mean-based ratio also gets a paired-bootstrap interval over trials (:func:`saving_interval`,
-90 %), which says whether a run resolved the target at all. The
-same ratio on the **cache cost** (:func:`annotate_cache_cost`: recomputed tokens x the calibrated
-recompute time per token + exposed load time, from counters) is printed beside it: it does not
-move with the machine's load, so on a shared box it says what the policy achieved.
+Each saving column and target line shows the achievable saving pooled, its spread over trials
+(per PEER question) and its paired-bootstrap interval (90 %), which says whether a run resolved
+the target at all; the same ratio on the counter-based **cache cost** is printed beside it: it
+does not move with the machine's load, so on a shared box it says what the policy achieved.
 
 With an ``oracle-pool`` column (``--policies ...,oracle-pool``; ``serving/policy/policies.py``)
 the same ratio is also taken against it (``saving vs hicache, pool``; JSON
@@ -31,6 +21,9 @@ achievable saving with every trial moved to the run's mean process speed, which 
 of what one server process's luck does to a trial (JSON ``speed_adjusted``; targets stay
 judged on the raw figures).
 
+The bootstrapped figures are computed once per report (:class:`Figures`) and handed to the
+table, the target lines and the JSON alike.
+
 The terminal table fits 80 columns (short row names, one number per cell); ``wide=True`` adds
 every row (per-tier match split, tokens, mean-based ratios). ``--json`` has all of them.
 """
@@ -40,14 +33,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from statistics import mean
 from typing import Any, Optional, Sequence
 
 from . import speed
 from .runner import PolicyResult
-
-LATENCY_KEY = "workflow_latency_p50_s"     # what targets are judged on
-MEAN_KEY = "workflow_latency_mean_s"
+from .stats import (BASELINES, CI_LEVEL, LATENCY_KEY, MEAN_KEY, annotate_cache_cost, cost_saving, ratios,
+                    saving_ratios)
 
 
 @dataclass
@@ -73,163 +66,40 @@ PEER_TARGETS = (Target("kvflow", "lru", ">=", 1.15), Target("kvflow", "hicache",
                 *SAVING_TARGETS)
 
 
-# ------------------------------------------------------------------------------ ratios and targets
-def _lat(results: dict[str, PolicyResult], p: str, key: str = LATENCY_KEY) -> Optional[float]:
-    r = results.get(p)
-    v = r.workload.get(key) if r is not None else None
-    return v if v else None
+# ------------------------------------------------------------------------------ figures and targets
+class Figures:
+    """The bootstrapped figures of one run (each a seeded 4,000-resample bootstrap per policy
+    and baseline), each computed at most once, when first asked for, so the table, the target
+    lines and the JSON of a report share them. Seeded: sharing changes no number."""
+
+    def __init__(self, results: Sequence[PolicyResult]):
+        self.results = results
+
+    @cached_property
+    def saving(self) -> dict:
+        """:func:`.stats.saving_ratios` against the oracle."""
+        return saving_ratios(self.results)
+
+    @cached_property
+    def saving_same_pool(self) -> dict:
+        """:func:`.stats.saving_ratios` against the pool oracle (``{}`` without its column)."""
+        return saving_ratios(self.results, oracle="oracle-pool")
+
+    @cached_property
+    def adjusted(self) -> Optional[speed.AdjustedRun]:
+        """:func:`.speed.adjusted_run` (``None`` without per-trial decode speeds)."""
+        return speed.adjusted_run(self.results)
 
 
-def ratios(results: Sequence[PolicyResult], key: str = LATENCY_KEY) -> dict[str, dict[str, Optional[float]]]:
-    by = {r.policy: r for r in results}
-    out = {}
-    for r in results:
-        me = _lat(by, r.policy, key)
-        row = {}
-        for base in ("lru", "hicache"):
-            b = _lat(by, base, key)
-            row[f"speedup_vs_{base}"] = b / me if (b and me) else None
-        o = _lat(by, "oracle", key)
-        row["latency_vs_oracle"] = me / o if (o and me) else None
-        out[r.policy] = row
-    return out
-
-
-BASELINES = ("lru", "hicache")
-
-
-def _saving(base: Optional[float], me: Optional[float], oracle: Optional[float]) -> Optional[float]:
-    """``(base - me) / (base - oracle)``; ``None`` when a value is missing or the oracle saves
-    nothing over the baseline (then there is no saving to capture)."""
-    if not (base and me and oracle) or base - oracle <= 0:
-        return None
-    return (base - me) / (base - oracle)
-
-
-def _trials(r: Optional[PolicyResult]) -> dict:
-    return {int(t): v for t, v in ((r.workload.get("workflow_latency_trials_s") or []) if r else [])}
-
-
-def _spread(xs: Sequence[float]) -> dict:
-    from statistics import median
-
-    xs = sorted(xs)
-    return {"min": xs[0], "median": median(xs), "max": xs[-1]} if xs else {"min": None, "median": None,
-                                                                             "max": None}
-
-
-CI_LEVEL = 0.90
-CI_RESAMPLES = 4000
-
-
-def saving_interval(trials: Sequence[tuple[float, float, float]], *, level: float = CI_LEVEL,
-                    resamples: int = CI_RESAMPLES, seed: int = 0) -> Optional[dict]:
-    """A paired percentile-bootstrap interval for the mean-based saving ratio
-    ``(sum(base) - sum(me)) / (sum(base) - sum(oracle))`` over trials given as ``(base, me,
-    oracle)`` latencies of the same trial (a PEER question, a workflow trial).
-
-    Why: the per-trial ratios' spread overstates the uncertainty (a trial whose oracle saves
-    little divides by almost nothing) and the pooled ratio alone hides it. Resampling whole
-    trials keeps each trial's three policies paired, so the machine's drift, which hits them
-    alike, cancels. Deterministic (seeded). ``None`` with fewer than 3 trials, or when more than
-    5 % of the resamples have no saving to capture (the oracle's lead is not resolved)."""
-    import random
-
-    if len(trials) < 3:
-        return None
-    rng, n, vals, void = random.Random(seed), len(trials), [], 0
-    for _ in range(resamples):
-        b = m = o = 0.0
-        for _ in range(n):
-            tb, tm, to = trials[rng.randrange(n)]
-            b, m, o = b + tb, m + tm, o + to
-        if b - o <= 0:
-            void += 1
-            continue
-        vals.append((b - m) / (b - o))
-    if void > 0.05 * resamples:
-        return None
-    vals.sort()
-    tail = (1 - level) / 2
-    return {"level": level, "lo": vals[int(tail * (len(vals) - 1))],
-            "hi": vals[int((1 - tail) * (len(vals) - 1))], "resamples": resamples}
-
-
-def saving_ratios(results: Sequence[PolicyResult], oracle: str = "oracle") -> dict[str, dict[str, dict]]:
-    """Per policy (not lru, not the reference) and baseline (lru, hicache; not itself):
-    ``ratio`` (pooled p50s), ``ratio_mean`` (pooled means), ``trials`` ([trial, ratio] from each
-    trial's p50s, policies paired per trial) and their ``min`` / ``median`` / ``max``, and
-    ``ci`` (:func:`saving_interval` over the paired trials: ``lo`` / ``hi``, or ``None``).
-    ``oracle``: the reference (``"oracle-pool"``: the best latency with the same pool for
-    running requests; the ``oracle-pool`` column against ``"oracle"`` is the share of the
-    unbounded oracle's saving that any policy could take with this pool)."""
-    by = {r.policy: r for r in results}
-    if oracle not in by:
-        return {}
-    out: dict[str, dict[str, dict]] = {}
-    o_tr = _trials(by[oracle])
-    for r in results:
-        # lru is the floor every baseline improves on; the unbounded oracle is no contender
-        if r.policy in (oracle, "oracle", "lru"):
-            continue
-        row = {}
-        for base in BASELINES:
-            if base not in by or base == r.policy:
-                continue
-            b_tr, me_tr = _trials(by[base]), _trials(r)
-            paired = sorted(set(b_tr) & set(me_tr) & set(o_tr))
-            per = [[t, v] for t in paired if (v := _saving(b_tr[t], me_tr[t], o_tr[t])) is not None]
-            row[base] = {"ratio": _saving(_lat(by, base), _lat(by, r.policy), _lat(by, oracle)),
-                         "ratio_mean": _saving(_lat(by, base, MEAN_KEY), _lat(by, r.policy, MEAN_KEY),
-                                               _lat(by, oracle, MEAN_KEY)),
-                         "trials": per, **_spread([v for _, v in per]),
-                         "ci": saving_interval([(b_tr[t], me_tr[t], o_tr[t]) for t in paired])}
-        if row:
-            out[r.policy] = row
-    return out
-
-
-def annotate_cache_cost(results: Sequence[PolicyResult], meta: dict) -> Optional[float]:
-    """Set each policy's ``cache_cost_s``: the time its cache decisions cost, from counters
-    rather than clocks (so a noisy neighbour does not move it): recomputed prompt tokens x the
-    calibrated recompute seconds per token + load time requests were exposed to (the server's
-    ``load_exposed_s``). Returns the seconds per token used (``None``: no calibration)."""
-    cal = meta.get("calibration") or {}
-    if not cal.get("recompute_s") or not cal.get("prefix_tokens"):
-        return None
-    spt = cal["recompute_s"] / cal["prefix_tokens"]
-    for r in results:
-        w = r.workload
-        if w.get("miss_rate") is None or not w.get("prompt_tokens"):
-            continue
-        exposed = (r.server or {}).get("load_exposed_s") or 0.0
-        w["cache_cost_s"] = w["miss_rate"] * w["prompt_tokens"] * spt + exposed
-    return spt
-
-
-def cost_saving(results: Sequence[PolicyResult]) -> dict[str, dict[str, Optional[float]]]:
-    """The achievable saving on ``cache_cost_s`` (counter-based; see :func:`annotate_cache_cost`).
-    The reference is the oracle, else the pool oracle: neither evicts, so their cache costs are
-    the same (only compulsory misses)."""
-    by = {r.policy: r.workload.get("cache_cost_s") for r in results}
-    ref = next((o for o in ("oracle", "oracle-pool") if by.get(o) is not None), None)
-    if ref is None:
-        return {}
-    out: dict = {}
-    for r in results:
-        if r.policy in ("oracle", "oracle-pool", "lru") or by.get(r.policy) is None:
-            continue
-        out[r.policy] = {b: (None if by.get(b) is None or by[b] - by[ref] <= 0 else
-                             (by[b] - by[r.policy]) / (by[b] - by[ref]))
-                         for b in BASELINES if b != r.policy and b in by}
-    return out
-
-
-def check_targets(results: Sequence[PolicyResult], targets: Sequence[Target]) -> list[dict]:
+def check_targets(results: Sequence[PolicyResult], targets: Sequence[Target], *,
+                  figures: Optional[Figures] = None) -> list[dict]:
+    """Each target judged on the median-based figure, with the mean-based one beside it (and
+    for a saving target its spread, interval and speed-adjusted value). ``figures``: the
+    report's :class:`Figures` of ``results`` (made here when left out)."""
+    fig = figures if figures is not None else Figures(results)
     rat, mrat = ratios(results), ratios(results, MEAN_KEY)
-    sav = saving_ratios(results)
-    adj = speed.adjusted(results)
-    asav = saving_ratios(adj) if adj else {}
+    sav = fig.saving
+    asav = fig.adjusted.saving if fig.adjusted else {}
     key = lambda t: f"speedup_vs_{t.baseline}" if t.op == ">=" else f"latency_vs_{t.baseline}"  # noqa: E731
     out = []
     for t in targets:
@@ -272,34 +142,17 @@ def from_json(doc: dict) -> tuple[dict, list[PolicyResult], list[Target]]:
 def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Target] = (),
             raw: bool = False) -> dict:
     spt = annotate_cache_cost(results, meta)
+    fig = Figures(results)
     return {**meta, "policies": {r.policy: r.as_dict(raw=raw) for r in results},
             "cache_cost_recompute_s_per_token": spt, "saving_cache_cost": cost_saving(results),
             "ratio_basis": LATENCY_KEY,
             "ratios": ratios(results), "ratios_mean": ratios(results, MEAN_KEY),
             "ttft_ratios": ratios(results, "ttft_mean_s"),
-            "saving": saving_ratios(results),
-            "saving_same_pool": saving_ratios(results, oracle="oracle-pool"),
-            "speed_adjusted": speed_summary(results),
-            "targets": check_targets(results, targets),
+            "saving": fig.saving,
+            "saving_same_pool": fig.saving_same_pool,
+            "speed_adjusted": speed.speed_summary(results, fig.adjusted),
+            "targets": check_targets(results, targets, figures=fig),
             "target_specs": [dataclasses.asdict(t) for t in targets]}
-
-
-def speed_summary(results: Sequence[PolicyResult]) -> Optional[dict]:
-    """What :mod:`.speed` makes of a run (``None`` without per-trial decode speeds): the fitted
-    elasticity, each policy's decode-step time over the oracle's, its per-trial latency over the
-    oracle's raw and speed-adjusted (geometric mean, 90 % bootstrap interval), and the
-    achievable saving on the adjusted trials."""
-    adj = speed.adjusted(results)
-    if adj is None:
-        return None
-    ref = "oracle"
-    return {"beta": adj[0].workload["speed_beta"], "trials": len(adj[0].workload["workflow_latency_trials_s"]),
-            "speed_vs_oracle": speed.speed_ratios(results, ref),
-            "latency_vs_oracle": {r.policy: speed.paired_ratio(results, r.policy, ref)
-                                  for r in results if r.policy != ref},
-            "latency_vs_oracle_adjusted": {r.policy: speed.paired_ratio(adj, r.policy, ref)
-                                           for r in adj if r.policy != ref},
-            "saving": saving_ratios(adj)}
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -353,17 +206,20 @@ def _wasted(server: Optional[dict]) -> str:
     return f"{server['prefetch_wasted']}" + (f" ({causes})" if causes else "")
 
 
-def rows(results: Sequence[PolicyResult], wide: bool = True) -> list[tuple[str, list[str]]]:
+def rows(results: Sequence[PolicyResult], wide: bool = True, *,
+         figures: Optional[Figures] = None) -> list[tuple[str, list[str]]]:
     """The table's rows. Narrow (``wide=False``): short names, one value per cell, so the table
-    fits 80 columns with four policies; wide: every row."""
+    fits 80 columns with four policies; wide: every row. ``figures``: the report's
+    :class:`Figures` of ``results`` (made here when left out)."""
+    fig = figures if figures is not None else Figures(results)
     rat = ratios(results)
     mrat = ratios(results, MEAN_KEY)
     trat = ratios(results, "ttft_mean_s")
-    sav = saving_ratios(results)
-    psav = saving_ratios(results, oracle="oracle-pool")
+    sav = fig.saving
+    psav = fig.saving_same_pool
     csav = cost_saving(results)
-    adj = speed.adjusted(results)
-    asav = saving_ratios(adj) if adj else {}
+    adj = fig.adjusted.results if fig.adjusted else None
+    asav = fig.adjusted.saving if fig.adjusted else {}
 
     def w(key, kind):
         return [_fmt(r.workload.get(key), kind) for r in results]
@@ -482,7 +338,8 @@ def pool_bound_rows(results: Sequence[PolicyResult]) -> list[tuple[str, list[str
                      if r.policy != "hicache" else None, "f2") for r in results])]
 
 
-def render_table(results: Sequence[PolicyResult], title: str, wide: bool = False):
+def render_table(results: Sequence[PolicyResult], title: str, wide: bool = False, *,
+                 figures: Optional[Figures] = None):
     from rich import box
     from rich.table import Table
 
@@ -490,28 +347,31 @@ def render_table(results: Sequence[PolicyResult], title: str, wide: bool = False
     t.add_column("metric", no_wrap=not wide, overflow="fold")
     for r in results:
         t.add_column(r.policy, justify="right", overflow="fold")
-    for name, vals in rows(results, wide=wide):
+    for name, vals in rows(results, wide=wide, figures=figures):
         t.add_row(name, *vals)
     return t
 
 
-def plain_table(results: Sequence[PolicyResult], wide: bool = True) -> str:
+def plain_table(results: Sequence[PolicyResult], wide: bool = True, *,
+                figures: Optional[Figures] = None) -> str:
     """The same table as Markdown (for RESULTS.md)."""
     head = "| metric | " + " | ".join(r.policy for r in results) + " |"
     sep = "|---|" + "---:|" * len(results)
-    body = ["| " + name.strip() + " | " + " | ".join(vals) + " |" for name, vals in rows(results, wide)]
+    body = ["| " + name.strip() + " | " + " | ".join(vals) + " |"
+            for name, vals in rows(results, wide, figures=figures)]
     return "\n".join([head, sep, *body])
 
 
-def target_lines(results: Sequence[PolicyResult], targets: Sequence[Target]) -> list[str]:
+def target_lines(results: Sequence[PolicyResult], targets: Sequence[Target], *,
+                 figures: Optional[Figures] = None) -> list[str]:
     """One plain line per judged target (short enough for an 80-column terminal)."""
     out = []
-    for t in check_targets(results, targets):
+    for t in check_targets(results, targets, figures=figures):
         if t["met"] is None:
             continue
         unit = "" if t["kind"] == "saving" else "x"
-        mean = (f"; mean {t['measured_mean']:.2f}{unit} {'met' if t['met_on_mean'] else 'missed'}"
-                if t.get("measured_mean") is not None else "")
+        on_mean = (f"; mean {t['measured_mean']:.2f}{unit} {'met' if t['met_on_mean'] else 'missed'}"
+                   if t.get("measured_mean") is not None else "")
         spread = (f"; trials {t['trial_min']:.2f}..{t['trial_max']:.2f}"
                   if t.get("trial_min") is not None else "")
         ci = t.get("ci")
@@ -520,7 +380,7 @@ def target_lines(results: Sequence[PolicyResult], targets: Sequence[Target]) -> 
                        else "spans it: unresolved")
             spread += f"; mean's {ci['level']:.0%} CI {ci['lo']:.2f}..{ci['hi']:.2f} {verdict}"
         out.append(f"target {t['target']}: {t['measured']:.2f}{unit} (p50) -> "
-                   f"{'met' if t['met'] else 'MISSED'}{mean}{spread}")
+                   f"{'met' if t['met'] else 'MISSED'}{on_mean}{spread}")
         a = t.get("speed_adjusted")
         if a and a["measured"] is not None:
             aci = a.get("ci")
@@ -531,14 +391,16 @@ def target_lines(results: Sequence[PolicyResult], targets: Sequence[Target]) -> 
 
 def print_report(console, results: Sequence[PolicyResult], *, title: str,
                  targets: Sequence[Target] = (), wide: bool = False) -> None:
-    console.print(render_table(results, title, wide=wide))
-    bound = ratios(results).get("oracle", {}).get("speedup_vs_lru")
+    fig = Figures(results)
+    console.print(render_table(results, title, wide=wide, figures=fig))
+    oracle = ratios(results).get("oracle", {})
+    bound = oracle.get("speedup_vs_lru")
     if bound:
-        hb = ratios(results).get("oracle", {}).get("speedup_vs_hicache")
+        hb = oracle.get("speedup_vs_hicache")
         console.print(f"bound: the oracle (unbounded device memory, no load) is {bound:.2f}x lru"
                       + (f", {hb:.2f}x hicache" if hb else "") + " (p50); no policy on this engine "
                       "and workload can exceed that")
-    for line in target_lines(results, targets):
+    for line in target_lines(results, targets, figures=fig):
         color = "dim" if line.startswith(" ") else "green" if "-> met" in line else "red"
         console.print(f"[{color}]{line}[/]", highlight=False)
 
@@ -551,8 +413,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         with open(path) as f:
             doc = json.load(f)
         _, res, targets = from_json(doc)
-        print(plain_table(res))
-        lines = target_lines(res, targets) if targets else [
+        fig = Figures(res)
+        print(plain_table(res, figures=fig))
+        lines = target_lines(res, targets, figures=fig) if targets else [
             f"target {t['target']}: {t['measured']:.2f} (p50) -> {'met' if t['met'] else 'MISSED'}"
             for t in doc.get("targets") or [] if t.get("measured") is not None]
         for line in lines:

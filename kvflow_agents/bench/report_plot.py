@@ -1,5 +1,5 @@
 """``--plot out.png`` of ``kvflow bench workflow`` / ``peer`` / ``aiperf``: one PNG per run
-(matplotlib, Agg backend) with the numbers :mod:`.report` computes: workflow latency with the
+(matplotlib, Agg backend) with the numbers :mod:`.stats` computes: workflow latency with the
 speedup vs lru, TTFT, prompt tokens by tier, and the achievable saving (bars: the pooled p50
 ratio with min..max over trials; dots: the mean-based ratio with its bootstrap interval)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .report import BASELINES, CI_LEVEL, LATENCY_KEY, ratios, saving_ratios
 from .runner import PolicyResult
+from .stats import BASELINES, CI_LEVEL, LATENCY_KEY, ratios, saving_ratios
 
 
 def plot(results: Sequence[PolicyResult], path: str, title: str = "kvflow bench") -> None:

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from statistics import mean, median
 from typing import Optional, Sequence
 
 from .runner import PolicyResult
+from .stats import CI_LEVEL, CI_RESAMPLES, paired_bootstrap, saving_ratios
 
 MIN_TRIALS = 3
 
@@ -101,12 +103,11 @@ def speed_ratios(results: Sequence[PolicyResult], reference: str = "oracle") -> 
 
 
 def paired_ratio(results: Sequence[PolicyResult], policy: str, reference: str = "oracle", *,
-                 level: float = 0.90, resamples: int = 4000, seed: int = 0) -> Optional[dict]:
+                 level: float = CI_LEVEL, resamples: int = CI_RESAMPLES, seed: int = 0) -> Optional[dict]:
     """Geometric mean over trials of ``policy``'s trial latency over ``reference``'s, with a
-    percentile-bootstrap interval over trials: ``{"ratio", "lo", "hi", "level", "trials"}``.
-    Give it :func:`adjusted` results for the speed-adjusted ratio."""
-    import random
-
+    percentile-bootstrap interval over trials (:func:`.stats.paired_bootstrap`): ``{"ratio",
+    "lo", "hi", "level", "trials"}``. Give it :func:`adjusted` results for the speed-adjusted
+    ratio."""
     by = {r.policy: {int(t): v for t, v in r.workload.get("workflow_latency_trials_s") or [] if v}
           for r in results}
     if policy not in by or reference not in by:
@@ -115,8 +116,44 @@ def paired_ratio(results: Sequence[PolicyResult], policy: str, reference: str = 
     if len(ts) < MIN_TRIALS:
         return None
     logs = [math.log(by[policy][t] / by[reference][t]) for t in ts]
-    rng, n = random.Random(seed), len(logs)
-    boot = sorted(sum(logs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
-    tail = (1 - level) / 2
-    return {"ratio": math.exp(mean(logs)), "lo": math.exp(boot[int(tail * (resamples - 1))]),
-            "hi": math.exp(boot[int((1 - tail) * (resamples - 1))]), "level": level, "trials": n}
+    n = len(logs)
+    # a mean of logs is never void, so there is always an interval
+    lo, hi = paired_bootstrap(lambda idx: sum(logs[i] for i in idx) / n, n, level=level,
+                              resamples=resamples, seed=seed)
+    return {"ratio": math.exp(mean(logs)), "lo": math.exp(lo), "hi": math.exp(hi), "level": level,
+            "trials": n}
+
+
+@dataclass(frozen=True)
+class AdjustedRun:
+    """A run moved to its mean process speed (:func:`adjusted`) and the achievable saving on
+    it (:func:`.stats.saving_ratios`: a seeded bootstrap per policy and baseline, so a report
+    computes this once and hands it to each part that shows it)."""
+    results: list[PolicyResult]
+    saving: dict
+
+
+def adjusted_run(results: Sequence[PolicyResult]) -> Optional[AdjustedRun]:
+    """:func:`adjusted` and its saving; ``None`` when :func:`fit_beta` has no fit."""
+    adj = adjusted(results)
+    return None if adj is None else AdjustedRun(adj, saving_ratios(adj))
+
+
+def speed_summary(results: Sequence[PolicyResult], run: Optional[AdjustedRun] = None) -> Optional[dict]:
+    """What this module makes of a run (``None`` without per-trial decode speeds): the fitted
+    elasticity, each policy's decode-step time over the oracle's, its per-trial latency over the
+    oracle's raw and speed-adjusted (geometric mean, 90 % bootstrap interval), and the
+    achievable saving on the adjusted trials. ``run``: :func:`adjusted_run` of ``results`` where
+    the caller has it; left out (or ``None``), it is computed here, which without a fit costs
+    only the fit."""
+    run = run if run is not None else adjusted_run(results)
+    if run is None:
+        return None
+    adj, ref = run.results, "oracle"
+    return {"beta": adj[0].workload["speed_beta"], "trials": len(adj[0].workload["workflow_latency_trials_s"]),
+            "speed_vs_oracle": speed_ratios(results, ref),
+            "latency_vs_oracle": {r.policy: paired_ratio(results, r.policy, ref)
+                                  for r in results if r.policy != ref},
+            "latency_vs_oracle_adjusted": {r.policy: paired_ratio(adj, r.policy, ref)
+                                           for r in adj if r.policy != ref},
+            "saving": run.saving}

@@ -1,8 +1,8 @@
 """``kvflow bench``: the synthetic workload (token lengths, hint sequences over the wire), the
-report (ratios, targets), the CLI (one small real run on two embedded servers, an external
-server), the paper-regime preset, the cache-cost saving and progress bars, and the runner
-(measured rounds, servers per trial); a section each, in that order. ``bench peer``:
-test_bench_peer.py.
+CLI (one small real run on two embedded servers, an external server), the paper-regime preset,
+progress bars, and the runner (counter deltas, policy lists, measured rounds, servers per
+trial); a section each, in that order. The report's numbers: test_bench_stats.py; ``bench
+peer``: test_bench_peer.py.
 
 No timed assertions: the numbers depend on the machine. Only shapes, fields and invariants."""
 
@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvflow_agents.bench import report
-from kvflow_agents.bench.runner import PolicyResult, metrics_delta, parse_policies, rotated
+from kvflow_agents.bench.runner import metrics_delta, parse_policies, rotated
 from kvflow_agents.bench.workload import (ByteLevelCounter, Prompts, TokenCounter, WorkflowDriver,
                                           WorkloadSpec, build_graph, fixed_prompt_tokens, steps)
 from kvflow_agents.cli.main import app
@@ -121,169 +121,6 @@ def test_fanout_hints_and_concurrent_workflows():
         tail = next(h for h in mine if h["kvflow_agent"] == "tail")
         assert tail["kvflow_ste"]["head"] == 1 and tail["kvflow_step"] > workers[0]["kvflow_step"]
     assert sorted(p.body["kvflow_workflow"] for p in posts) == ["bench-t-wf0", "bench-t-wf1"]
-
-
-# ------------------------------------------------------------------------------ report
-def _result(policy, lat, ttft):
-    return PolicyResult(policy, {"workflow_latency_p50_s": lat, "workflow_latency_mean_s": lat * 1.1,
-                                 "ttft_mean_s": ttft, "calls": 10, "errors": 0})
-
-
-def test_ratios_and_targets():
-    rs = [_result("lru", 3.0, 0.3), _result("hicache", 1.5, 0.15), _result("kvflow", 1.0, 0.1),
-          _result("oracle", 0.95, 0.09)]
-    rat = report.ratios(rs)
-    assert rat["kvflow"]["speedup_vs_lru"] == pytest.approx(3.0)
-    assert rat["kvflow"]["speedup_vs_hicache"] == pytest.approx(1.5)
-    assert rat["kvflow"]["latency_vs_oracle"] == pytest.approx(1 / 0.95)
-    got = report.check_targets(rs, report.WORKFLOW_TARGETS)
-    # 3x lru, 1.3x hicache, <= 1.10x oracle; saving (3-1)/(3-0.95) = 0.976 vs lru,
-    # (1.5-1)/(1.5-0.95) = 0.909 vs hicache
-    assert [t["met"] for t in got] == [True, True, True, True, False]
-    assert got[0]["measured_mean"] == pytest.approx(3.0)
-    assert got[3]["measured"] == pytest.approx(2 / 2.05) and got[4]["measured"] == pytest.approx(0.5 / 0.55)
-    got = report.check_targets(rs[1:], report.WORKFLOW_TARGETS)  # no lru column: not judged
-    assert got[0]["met"] is None
-    assert "kvflow" in report.plain_table(rs)
-
-
-def _trial_result(policy, per_trial):
-    """A result whose trials' p50 workflow latencies are ``per_trial`` (pooled p50 = median)."""
-    from statistics import mean, median
-    return PolicyResult(policy, {"workflow_latency_p50_s": median(per_trial),
-                                 "workflow_latency_mean_s": mean(per_trial),
-                                 "workflow_latency_trials_s": [[i, v] for i, v in enumerate(per_trial)],
-                                 "calls": 10, "errors": 0})
-
-
-def _exact_bootstrap(trials):
-    """Every ordered resample of ``trials`` (n^n, equally likely): the bootstrap distribution
-    the seeded sampler approximates (brute-force reference)."""
-    import itertools
-    out = []
-    for pick in itertools.product(trials, repeat=len(trials)):
-        b, m, o = (sum(t[i] for t in pick) for i in range(3))
-        if b - o > 0:
-            out.append((b - m) / (b - o))
-    return sorted(out)
-
-
-def test_saving_interval_brackets_the_mean_ratio_like_the_exact_bootstrap():
-    trials = [(42.0, 40.0, 38.5), (45.0, 41.0, 40.0), (40.0, 39.5, 36.0), (44.0, 40.5, 41.0)]
-    ci = report.saving_interval(trials)
-    b, m, o = (sum(t[i] for t in trials) for i in range(3))
-    assert ci["lo"] < (b - m) / (b - o) < ci["hi"]
-    exact = _exact_bootstrap(trials)                       # 256 resamples
-    q = lambda f: exact[int(f * (len(exact) - 1))]         # noqa: E731
-    assert q(0.02) <= ci["lo"] <= q(0.10) and q(0.90) <= ci["hi"] <= q(0.98)
-    assert report.saving_interval(trials) == ci            # seeded: the same run, the same interval
-    # the same trial repeated: nothing to resample, the interval is the ratio itself
-    same = report.saving_interval([(2.0, 1.2, 1.0)] * 4)
-    assert same["lo"] == pytest.approx(0.8) and same["hi"] == pytest.approx(0.8)
-    # the policy's latency noisier around the same mean: a wider interval, wider with more noise
-    widths = []
-    for scale in (1.0, 2.0, 3.0):
-        noisy = [(b_, m_ + scale * d, o_) for (b_, m_, o_), d in zip(trials, (1, -1, 1, -1))]
-        wide = report.saving_interval(noisy)
-        widths.append(wide["hi"] - wide["lo"])
-    assert ci["hi"] - ci["lo"] < widths[0] < widths[1] < widths[2]
-    # too few trials, or an oracle lead that many resamples do not have: no interval
-    assert report.saving_interval(trials[:2]) is None
-    assert report.saving_interval([(1.0, 1.0, 1.0), (1.0, 1.0, 1.0), (2.0, 1.5, 1.0)]) is None
-
-
-def test_bench_show_reports_a_saved_result_again(tmp_path):
-    rs = [_trial_result("hicache", [45.0, 40.0, 50.0, 42.0]), _trial_result("kvflow", [42.0, 39.0, 46.0, 41.0]),
-          _trial_result("oracle", [41.0, 38.5, 45.0, 40.0])]
-    saved = report.to_json({"bench": "peer", "command": "kvflow bench peer --questions 4"}, rs,
-                           report.PEER_TARGETS, raw=True)
-    for key in ("saving", "targets"):        # as a run of an older version wrote it: no interval
-        saved.pop(key)
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps(saved))
-    out = tmp_path / "again.json"
-    res = CliRunner().invoke(app, ["bench", "show", str(path), "--json", str(out),
-                                   "--plot", str(tmp_path / "again.png")], env={"COLUMNS": "80"})
-    assert res.exit_code == 0, res.output
-    assert "kvflow bench peer --questions 4" in res.output and "90% CI (mean)" in res.output
-    assert "unresolved" in res.output or "above it" in res.output or "below it" in res.output
-    doc = json.loads(out.read_text())
-    k = doc["saving"]["kvflow"]["hicache"]
-    assert k["ratio_mean"] == pytest.approx((177 - 168) / (177 - 164.5))
-    assert k["ci"] == report.saving_interval([(45.0, 42.0, 41.0), (40.0, 39.0, 38.5), (50.0, 46.0, 45.0),
-                                              (42.0, 41.0, 40.0)])
-    assert doc["policies"]["kvflow"]["workload"] == saved["policies"]["kvflow"]["workload"]
-    assert (tmp_path / "again.png").stat().st_size > 0
-    # not a result: a clear error, exit 2
-    (tmp_path / "bad.json").write_text('{"policies": []}')
-    res = CliRunner().invoke(app, ["bench", "show", str(tmp_path / "bad.json")])
-    assert res.exit_code == 2 and "not a kvflow bench result" in res.output
-
-
-def test_achievable_saving_pairs_trials_and_reports_the_spread():
-    rs = [_trial_result("lru", [2.0, 2.2, 3.0]), _trial_result("hicache", [1.5, 1.6, 1.5]),
-          _trial_result("kvflow", [1.05, 1.1, 1.2]), _trial_result("oracle", [1.0, 1.0, 1.0])]
-    sav = report.saving_ratios(rs)
-    assert set(sav) == {"hicache", "kvflow"} and set(sav["kvflow"]) == {"lru", "hicache"}
-    assert set(sav["hicache"]) == {"lru"}          # no column is compared with itself
-    k = sav["kvflow"]["lru"]
-    # pooled p50s: lru 2.2, kvflow 1.1, oracle 1.0 -> 1.1 / 1.2
-    assert k["ratio"] == pytest.approx(1.1 / 1.2)
-    # per trial: (2-1.05)/1 = 0.95, (2.2-1.1)/1.2 = 0.9167, (3-1.2)/2 = 0.9
-    assert [t for t, _ in k["trials"]] == [0, 1, 2]
-    assert [v for _, v in k["trials"]] == pytest.approx([0.95, 1.1 / 1.2, 0.9])
-    assert (k["min"], k["max"]) == pytest.approx((0.9, 0.95)) and k["median"] == pytest.approx(1.1 / 1.2)
-    h = sav["kvflow"]["hicache"]
-    assert [v for _, v in h["trials"]] == pytest.approx([0.45 / 0.5, 0.5 / 0.6, 0.3 / 0.5])
-    # a trial in which the oracle saves nothing over the baseline has no ratio
-    rs2 = [_trial_result("lru", [1.0, 2.0]), _trial_result("kvflow", [1.0, 1.5]),
-           _trial_result("oracle", [1.0, 1.0])]
-    assert report.saving_ratios(rs2)["kvflow"]["lru"]["trials"] == [[1, 0.5]]
-    # targets carry the spread; the narrow table shows it; no oracle column: nothing to judge
-    got = report.check_targets(rs, report.SAVING_TARGETS)
-    assert got[0]["met"] is False and got[0]["trial_min"] == pytest.approx(0.9)
-    names = [n for n, _ in report.rows(rs, wide=False)]
-    assert "saving vs lru" in names and "saving vs hicache" in names
-    vals = dict(report.rows(rs, wide=False))["saving vs lru"]
-    assert vals == ["-", "0.58", "0.92", "-"]       # hicache (2.2-1.5)/1.2, kvflow 1.1/1.2
-    ci = k["ci"]                                    # mean-based: (7.2-3.35)/(7.2-3) = 0.917
-    assert ci["lo"] <= 3.85 / 4.2 <= ci["hi"] and ci["level"] == report.CI_LEVEL
-    row = dict(report.rows(rs, wide=False))["  90% CI (mean)"]
-    assert row[2] == f"{h['ci']['lo']:.2f}-{h['ci']['hi']:.2f}" and row[0] == "-"
-    assert got[0]["ci"] == ci
-    assert report.saving_ratios(rs[:3]) == {}
-    assert "saving vs hicache, pool" not in names            # no oracle-pool column
-    # with the pool oracle: each policy's share of *its* saving over hicache, and its own share
-    # of the unbounded oracle's (what any policy could take with this pool)
-    rs3 = rs + [_trial_result("oracle-pool", [1.1, 1.2, 1.1])]
-    pool = report.saving_ratios(rs3, oracle="oracle-pool")
-    assert pool["kvflow"]["hicache"]["ratio"] == pytest.approx((1.5 - 1.1) / (1.5 - 1.1))
-    assert [v for _, v in pool["kvflow"]["hicache"]["trials"]] == pytest.approx(
-        [0.45 / 0.4, 0.5 / 0.4, 0.3 / 0.4])
-    assert "oracle-pool" not in pool and "lru" not in pool
-    assert report.saving_ratios(rs3)["oracle-pool"]["hicache"]["ratio"] == pytest.approx(0.4 / 0.5)
-    table = dict(report.rows(rs3, wide=False))
-    assert table["saving vs hicache, pool"] == ["-", "-", "1.00", "-", "-"]
-    assert report.to_json({}, rs3)["saving_same_pool"]["kvflow"]["hicache"]["ratio"] == pytest.approx(1.0)
-    before = {"hit_tokens_device": 10, "miss_tokens": 10, "load_hidden_s": 1.0, "load_exposed_s": 0.0,
-              "evictions": {"device:alloc": 1}}
-    after = {"hit_tokens_device": 40, "miss_tokens": 20, "hit_tokens_host": 0, "hit_tokens_loading": 0,
-             "load_hidden_s": 4.0, "load_exposed_s": 1.0, "evictions": {"device:alloc": 3}}
-    d = metrics_delta(before, after)
-    assert d["device_rate"] == pytest.approx(0.75) and d["load_hidden_fraction"] == pytest.approx(0.75)
-    assert d["evictions"] == {"device:alloc": 2}
-    # wasted prefetches by cause: deltas like the evictions, shown in the wide table
-    d = metrics_delta({**before, "prefetch_wasted": 1, "prefetch_wasted_by": {"alloc": 1}},
-                      {**after, "prefetch_wasted": 4, "prefetch_wasted_by": {"alloc": 2, "grow": 2}})
-    assert d["prefetch_wasted"] == 3 and d["prefetch_wasted_by"] == {"alloc": 1, "grow": 2}
-    assert report._wasted(d) == "3 (grow 2, alloc 1)" and report._wasted(None) == "-"
-    assert metrics_delta(None, after) is None
-    assert parse_policies("lru, kvflow") == ["lru", "kvflow"]
-    assert parse_policies("kvflow,oracle-pool") == ["kvflow", "oracle-pool"]
-    for bad in ("lru,fifo", "", "lru,lru"):
-        with pytest.raises(ValueError):
-            parse_policies(bad)
-    assert rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -450,26 +287,7 @@ def test_paper_regime_probes_a_served_engine():
     assert cal.recompute_fit_s > 0 and cal.ratio_fit > 0
 
 
-# ------------------------------------------------------------ cache-cost saving, progress bars
-def test_cache_cost_saving_from_counters():
-    """Recomputed tokens x calibrated s/token + exposed load: the saving ratio on it."""
-    def res(p, miss, exposed):
-        return PolicyResult(p, {"miss_rate": miss, "prompt_tokens": 1000, "workflow_latency_p50_s": 1.0},
-                            {"load_exposed_s": exposed})
-    rs = [res("lru", 1.0, 0.0), res("hicache", 0.1, 2.0), res("kvflow", 0.06, 0.1), res("oracle", 0.05, 0.0)]
-    spt = report.annotate_cache_cost(rs, {"calibration": {"recompute_s": 0.5, "prefix_tokens": 100}})
-    assert spt == 0.005
-    assert [r.workload["cache_cost_s"] for r in rs] == pytest.approx([5.0, 2.5, 0.4, 0.25])
-    cs = report.cost_saving(rs)
-    assert cs["kvflow"]["lru"] == pytest.approx(4.6 / 4.75) and cs["kvflow"]["hicache"] == pytest.approx(2.1 / 2.25)
-    assert report.annotate_cache_cost(rs, {}) is None
-    assert "cost saving vs lru" in dict(report.rows(rs, wide=False))
-    # without the oracle, the pool oracle is the reference (neither evicts: the same cost)
-    rs[3] = PolicyResult("oracle-pool", rs[3].workload, rs[3].server)
-    assert report.cost_saving(rs)["kvflow"]["hicache"] == pytest.approx(2.1 / 2.25)
-    assert "oracle-pool" not in report.cost_saving(rs)
-
-
+# ------------------------------------------------------------------------------ progress bars
 def test_progress_bars_grow_when_a_run_makes_more_calls_than_estimated():
     """PEER's call count is an estimate (a failed review adds calls): the bar's total follows
     what was done instead of printing 45/40."""
@@ -489,7 +307,31 @@ def test_progress_bars_grow_when_a_run_makes_more_calls_than_estimated():
     assert "6/6" in text and "6/4" not in text, text
 
 
-# ------------------------------------------------------ runner: measured rounds, servers per trial
+# ------------------------- runner: counter deltas, policy lists, measured rounds, servers per trial
+def test_metrics_delta_policy_lists_and_wasted_prefetches():
+    """The server's counters as deltas over a run, the wide table's wasted-prefetch cell, and
+    the policy list parsing and start-order rotation."""
+    before = {"hit_tokens_device": 10, "miss_tokens": 10, "load_hidden_s": 1.0, "load_exposed_s": 0.0,
+              "evictions": {"device:alloc": 1}}
+    after = {"hit_tokens_device": 40, "miss_tokens": 20, "hit_tokens_host": 0, "hit_tokens_loading": 0,
+             "load_hidden_s": 4.0, "load_exposed_s": 1.0, "evictions": {"device:alloc": 3}}
+    d = metrics_delta(before, after)
+    assert d["device_rate"] == pytest.approx(0.75) and d["load_hidden_fraction"] == pytest.approx(0.75)
+    assert d["evictions"] == {"device:alloc": 2}
+    # wasted prefetches by cause: deltas like the evictions, shown in the wide table
+    d = metrics_delta({**before, "prefetch_wasted": 1, "prefetch_wasted_by": {"alloc": 1}},
+                      {**after, "prefetch_wasted": 4, "prefetch_wasted_by": {"alloc": 2, "grow": 2}})
+    assert d["prefetch_wasted"] == 3 and d["prefetch_wasted_by"] == {"alloc": 1, "grow": 2}
+    assert report._wasted(d) == "3 (grow 2, alloc 1)" and report._wasted(None) == "-"
+    assert metrics_delta(None, after) is None
+    assert parse_policies("lru, kvflow") == ["lru", "kvflow"]
+    assert parse_policies("kvflow,oracle-pool") == ["kvflow", "oracle-pool"]
+    for bad in ("lru,fifo", "", "lru,lru"):
+        with pytest.raises(ValueError):
+            parse_policies(bad)
+    assert rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
+
+
 def test_measured_rounds_run_on_a_collected_frozen_heap():
     """The client collects garbage between the warm-up and the measured rounds and freezes what
     survives (no full collection pauses a measured call), and unfreezes after the trial."""

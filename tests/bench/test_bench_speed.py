@@ -13,7 +13,7 @@ from statistics import median
 
 import pytest
 
-from kvflow_agents.bench import report, speed
+from kvflow_agents.bench import report, speed, stats
 from kvflow_agents.bench.runner import PolicyResult
 
 
@@ -46,7 +46,7 @@ def test_the_adjustment_recovers_the_elasticity_and_the_ratio_with_a_tighter_int
     assert (adj["hi"] - adj["lo"]) < 0.3 * (raw["hi"] - raw["lo"])
     assert adj["trials"] == raw["trials"] == 16
     # the achievable saving on adjusted trials: (1.20 - 1.02) / (1.20 - 1.00) = 0.9
-    sav = report.saving_ratios(speed.adjusted(res))["kvflow"]["hicache"]
+    sav = stats.saving_ratios(speed.adjusted(res))["kvflow"]["hicache"]
     assert sav["ci"]["lo"] <= 0.9 <= sav["ci"]["hi"] and sav["ci"]["hi"] - sav["ci"]["lo"] < 0.15
 
 
