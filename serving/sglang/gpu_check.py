@@ -101,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    from kvflow_agents.bench import report
+    from kvflow_agents.bench import report, stats
     from kvflow_agents.bench.report_plot import plot
     from kvflow_agents.bench.runner import run_workflow_bench
     from kvflow_agents.bench.sglang_engine import (SGLangLaunch, SGLangServerConfig,
@@ -160,7 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 continue
             results.extend(res)
             run["policies"][pol] = res[0].as_dict()
-            run["ratios"] = report.ratios(results)
+            run["ratios"] = stats.ratios(results)
             run["wall_s"] = run.get("wall_s", 0.0) + time.perf_counter() - t0
             flush()
             plot(results, str(out / f"gpu_check_{fixed}.png"),

@@ -66,7 +66,8 @@ def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model,
     (``pool.wait_copies``) would read NaN and write other tokens. Backups are as slow and
     queued on the same thread: a forward that wrote a reused page before its backup read it
     would leave another prompt's KV on host for a later load. The pool's ordering and waits
-    are tested directly in tests/embedded/test_embedded_pool.py."""
+    are tested directly in tests/embedded/test_embedded_pool.py. ``copy_thread=False``
+    (``kvflow serve --copy-thread off``) copies on the engine thread instead: same tokens."""
     import time
 
     import torch
@@ -86,11 +87,12 @@ def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model,
     torch.set_num_threads(1)  # a core left free: the pool copies on its thread (auto)
     try:
         outs = {}
-        for policy in ("kvflow", "oracle"):
+        for label, policy, thread in (("kvflow", "kvflow", None), ("inline", "kvflow", False),
+                                      ("oracle", "oracle", None)):
             with Engine(loaded=tiny_model, model="tiny-random", policy=policy, device_tokens=512,
                         host_tokens=4096, host_link_gbps=0.5, deterministic=True,
-                        deterministic_chunk=64) as eng:
-                assert eng.pool.copy_thread or policy == "oracle"
+                        deterministic_chunk=64, copy_thread=thread) as eng:
+                assert eng.pool.copy_thread == (label == "kvflow") or policy == "oracle"
                 got = []
                 for step in range(12):
                     a = AGENTS[step % len(AGENTS)]
@@ -99,11 +101,13 @@ def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model,
                             {"role": "user", "content": f"call {step}"}]
                     got.append(eng.chat(msgs, hints=h, max_tokens=6, temperature=0,
                                         ignore_eos=True).token_ids)
-                stats = eng.call(lambda e: (e.pool.stats["load_pages"], e.manager.metrics.prefetch_used))
-            outs[policy] = got
+                stats = eng.call(lambda e: (e.pool.stats["load_pages"], e.manager.metrics.prefetch_used,
+                                            e.pool._copier))
+            outs[label] = got
             if policy == "kvflow":
                 assert stats[0] > 0 and stats[1] > 0, stats  # later calls read loaded KV
-        assert outs["kvflow"] == outs["oracle"]
+                assert (stats[2] is None) == (label == "inline")  # inline: no copy thread started
+        assert outs["kvflow"] == outs["oracle"] == outs["inline"]
     finally:
         torch.set_num_threads(before)
 
