@@ -7,9 +7,6 @@ from typing import List, Optional
 import typer
 
 
-_COPY_THREAD = {"auto": None, "on": True, "off": False}   # --copy-thread -> EngineConfig
-
-
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def serve(
@@ -43,11 +40,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                  "stays cached; a little more cached in a tight pool), or whole radix nodes as "
                  "SGLang does (the default: keeps each prefix in fewer page runs, which this "
                  "engine's attention reads faster; `kvflow bench layout`)."),
-        copy_thread: str = typer.Option(
-            "auto", help="CPU only: KV copies (host backups, loads) on a background thread (on), "
-                         "inline on the engine thread (off), or auto (a thread when torch leaves "
-                         "a core free). A thread overlaps copies with forwards but competes with "
-                         "them for the cores and the GIL (bench/RESULTS.md 6.33)."),
+        copy_thread: bool = typer.Option(
+            False, "--copy-thread/--inline-copies",
+            help="CPU only: KV copies (host backups, loads) on a background thread, or inline "
+                 "on the engine thread between forwards (the default: a copy beside a forward "
+                 "shares its caches, and inline measured faster; bench/RESULTS.md 6.33)."),
         lazy_decode_pages: bool = typer.Option(
             True, "--lazy-decode-pages/--upfront-decode-pages",
             help="Allocate a request's decode pages as it writes them (the default, as SGLang "
@@ -151,8 +148,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter("cpu or cuda", param_hint="--device")
         if host_link_gbps is not None and host_link_gbps <= 0:
             raise typer.BadParameter("must be > 0", param_hint="--host-link-gbps")
-        if copy_thread not in _COPY_THREAD:
-            raise typer.BadParameter("choose auto, on or off", param_hint="--copy-thread")
         if timeout_headers <= 0 or timeout_read <= 0:
             raise typer.BadParameter("timeouts must be > 0", param_hint="--timeout-headers/--timeout-read")
         keys: dict = {}
@@ -183,7 +178,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
-                           copy_thread=_COPY_THREAD[copy_thread],
+                           copy_thread=copy_thread,
                            lazy_decode_pages=lazy_decode_pages, decode_reserve=decode_reserve,
                            admission=admission, status_aware=status_aware,
                            skip_scope=skip_scope, lease_s=lease_s,

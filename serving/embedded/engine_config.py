@@ -48,9 +48,10 @@ class EngineConfig:
     # elsewhere (32 workflows at 10 %, PEER), so they are the default here. (The policy core's
     # own default stays partial: the simulator's GPU cost model pays nothing per page run.)
     partial_eviction: bool = False
-    # CPU: KV copies (backups, loads) on a background copy thread (True), inline on the
-    # engine thread (False), or None: a thread when torch leaves a core free (PagedKVPool).
-    copy_thread: Optional[bool] = None
+    # CPU: KV copies (backups, loads) inline on the engine thread, between forwards (False),
+    # or on a background copy thread (True), which overlaps them with the forwards but runs
+    # them through the same caches: measured slower with 8 workflows (bench/RESULTS.md 6.33).
+    copy_thread: bool = False
     # Allocate a request's decode pages as it writes them (True, as SGLang and vLLM do) or all
     # of prompt + max_tokens at admission. Admission reserves them either way (a running
     # request never runs out); lazily, the pages it has not written yet hold cache meanwhile,

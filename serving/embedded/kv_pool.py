@@ -14,8 +14,11 @@ Page ids are handed out by the policy's allocators; this class never allocates.
   without a copy thread, it is synchronous (after the loads still copying into those pages).
 - ``start_load(host_pages, device_pages) -> ready_time``: copies host -> device in the
   background, as a GPU's copy engine would: on CUDA on a separate stream after the compute
-  stream's current work, recorded with an event; on CPU on the copy thread, when torch
-  leaves a core free for it (else inline: ``copy_thread``).
+  stream's current work, recorded with an event; on CPU inline (the default) or, with
+  ``copy_thread``, on the copy thread. Inline is the CPU default because a copy running
+  beside a forward goes through the same caches: with 8 workflows the copy thread slowed
+  prefills that overlapped a copy 1.8x and made calls 1.4-2 % slower (bench/RESULTS.md
+  §6.33); a GPU's copy engine does not charge its forwards that way.
 - The copy thread is one FIFO: every copy runs after the copies queued before it, so a load
   reads a host page only after a backup queued earlier wrote it, and lands in a device page
   only after a backup queued earlier read it. The one exception keeps that order: a copy a
@@ -36,7 +39,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from typing import Callable, Sequence
@@ -55,11 +57,9 @@ class PagedKVPool:
     def __init__(self, config: LlamaConfig, *, device_pages: int, host_pages: int,
                  page_size: int = 16, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, host_link_gbps: float | None = None,
-                 clock: Callable[[], float] | None = None, copy_thread: bool | None = None) -> None:
-        """``copy_thread`` (CPU): copy loads in the background; None = when torch leaves a core
-        free (``torch.get_num_threads() < cpu_count``): with every core in torch's parallel
-        ops, a concurrent copy stalls them (see ``kvflow serve --torch-threads``), so loads
-        are then copied inline, on the caller's thread."""
+                 clock: Callable[[], float] | None = None, copy_thread: bool = False) -> None:
+        """``copy_thread`` (CPU): copy loads and backups on a background thread instead of
+        inline on the caller's (the engine's) thread (see the module docstring)."""
         self.config = config
         self.page_size = page_size
         self.device = resolve_device(device)
@@ -79,8 +79,6 @@ class PagedKVPool:
         self._pending: list[_Copy] = []
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # CPU copies
-        if copy_thread is None:
-            copy_thread = torch.get_num_threads() < (os.cpu_count() or 1)
         self.copy_thread = bool(copy_thread) and not self._cuda
         self.stats = {"backup_pages": 0, "load_pages": 0, "backup_s": 0.0, "load_s": 0.0,
                       "copies_run_by_waiter": 0}

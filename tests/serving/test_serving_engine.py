@@ -66,8 +66,8 @@ def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model,
     (``pool.wait_copies``) would read NaN and write other tokens. Backups are as slow and
     queued on the same thread: a forward that wrote a reused page before its backup read it
     would leave another prompt's KV on host for a later load. The pool's ordering and waits
-    are tested directly in tests/embedded/test_embedded_pool.py. ``copy_thread=False``
-    (``kvflow serve --copy-thread off``) copies on the engine thread instead: same tokens."""
+    are tested directly in tests/embedded/test_embedded_pool.py. Inline copies (the default,
+    ``copy_thread=False``) on the engine thread give the same tokens."""
     import time
 
     import torch
@@ -84,11 +84,11 @@ def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model,
 
     monkeypatch.setattr(PagedKVPool, "_timed_copy", slow_poisoning_copy)
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a core left free: the pool copies on its thread (auto)
+    torch.set_num_threads(1)  # a core left free for the copy thread
     try:
         outs = {}
-        for label, policy, thread in (("kvflow", "kvflow", None), ("inline", "kvflow", False),
-                                      ("oracle", "oracle", None)):
+        for label, policy, thread in (("kvflow", "kvflow", True), ("inline", "kvflow", False),
+                                      ("oracle", "oracle", True)):
             with Engine(loaded=tiny_model, model="tiny-random", policy=policy, device_tokens=512,
                         host_tokens=4096, host_link_gbps=0.5, deterministic=True,
                         deterministic_chunk=64, copy_thread=thread) as eng:
