@@ -11,7 +11,7 @@ loads) → admit ready requests in the policy's admission order (kvflow: the old
 call first, ``serving/policy/admission.py``; status-aware: loading ones are skipped, see
 ``scheduler.py``; the prompt's pages are allocated and ``decode_reserve`` of max_tokens'
 reserved at admission, the decode ones allocated as they are written) → start prefetches from
-the planner's plan (after admission: its backups go on the FIFO copy thread first) → chunked
+the planner's plan (after admission: with a copy thread its backups queue first) → chunked
 prefill (``max_prefill_tokens`` per step, reusing each request's cached device prefix) → one
 batched decode over all running requests whose prefill is done.
 
@@ -190,7 +190,7 @@ class EngineLoop:
             if self._guard(req, "admission", self._admit, req) is False:
                 break
             progress = True
-        # Prefetches after admission: the copy thread is FIFO, so the backups admission queued
+        # Prefetches after admission: a copy thread (--copy-thread) is FIFO, so the backups admission queued
         # (out of the pages this step's prefill writes) go before the prefetch loads. The
         # prefetcher reserves pages for waiting requests either way (manager._session_reserve).
         progress |= bool(mgr.prefetch(self.pool.now()))

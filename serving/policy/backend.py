@@ -12,7 +12,8 @@ Invariants the policy relies on:
   frees the device pages (they may be reallocated at once) and may load from the host pages.
   A backend that copies later must keep that true: order the copy before any later load from
   those host pages or into those device pages, and before the engine writes those device
-  pages (the embedded pool: one FIFO copy thread, and forwards ``wait_copies`` their pages);
+  pages (the embedded pool: copies inline, or on one FIFO copy thread whose pages forwards
+  ``wait_copies`` for);
 - ``start_load`` may finish later: the returned time (same clock as ``now()``) is when the
   device pages become readable; until then the node is ``LOADING`` and must not be evicted or
   read by a batch. The engine's scheduler polls via the cache manager.
