@@ -84,6 +84,13 @@ class PagedKVPool:
                       "copies_run_by_waiter": 0}
         self._stats_lock = threading.Lock()
 
+    @property
+    def copy_mode(self) -> str:
+        """Where copies between the tiers run, as ``kvflow serve`` reports it."""
+        if self._cuda:
+            return "copy stream"
+        return "copy thread" if self.copy_thread else "inline"
+
     # -- sizes -----------------------------------------------------------------------------------
     @property
     def num_device_pages(self) -> int:

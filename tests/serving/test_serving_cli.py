@@ -61,6 +61,7 @@ def test_serve_copy_thread_flag_reaches_the_pool(monkeypatch, flags, threaded):
                                  "--device-tokens", "512"] + flags, env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert seen["pool"].copy_thread is threaded
+    assert f"KV copies {'copy thread' if threaded else 'inline'};" in r.output  # the startup summary says which
 
 
 @pytest.mark.parametrize("policy, flags, aware, scope", [
