@@ -90,6 +90,20 @@ class Figures:
         """:func:`.speed.adjusted_run` (``None`` without per-trial decode speeds)."""
         return speed.adjusted_run(self.results)
 
+    @cached_property
+    def speed(self) -> Optional[dict]:
+        """:func:`.speed.speed_summary` (``None`` without per-trial decode speeds)."""
+        return speed.speed_summary(self.results, self.adjusted)
+
+    @cached_property
+    def latency_vs_oracle(self) -> dict:
+        """Per policy, its per-trial latency over the oracle's, raw and speed-adjusted
+        (:func:`.speed.paired_ratio`): ``{"raw": {policy: ...}, "adjusted": {policy: ...}}``."""
+        if self.speed:
+            return {"raw": self.speed["latency_vs_oracle"], "adjusted": self.speed["latency_vs_oracle_adjusted"]}
+        return {"raw": {r.policy: speed.paired_ratio(self.results, r.policy)
+                        for r in self.results if r.policy != "oracle"}, "adjusted": {}}
+
 
 def check_targets(results: Sequence[PolicyResult], targets: Sequence[Target], *,
                   figures: Optional[Figures] = None) -> list[dict]:
@@ -140,9 +154,9 @@ def from_json(doc: dict) -> tuple[dict, list[PolicyResult], list[Target]]:
 
 
 def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Target] = (),
-            raw: bool = False) -> dict:
+            raw: bool = False, figures: Optional[Figures] = None) -> dict:
     spt = annotate_cache_cost(results, meta)
-    fig = Figures(results)
+    fig = figures if figures is not None else Figures(results)
     return {**meta, "policies": {r.policy: r.as_dict(raw=raw) for r in results},
             "cache_cost_recompute_s_per_token": spt, "saving_cache_cost": cost_saving(results),
             "ratio_basis": LATENCY_KEY,
@@ -150,7 +164,7 @@ def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Targe
             "ttft_ratios": ratios(results, "ttft_mean_s"),
             "saving": fig.saving,
             "saving_same_pool": fig.saving_same_pool,
-            "speed_adjusted": speed.speed_summary(results, fig.adjusted),
+            "speed_adjusted": fig.speed,
             "targets": check_targets(results, targets, figures=fig),
             "target_specs": [dataclasses.asdict(t) for t in targets]}
 
@@ -241,11 +255,7 @@ def rows(results: Sequence[PolicyResult], wide: bool = True, *,
                 vals.append(_range([x["min"], x["max"]], "f2") if x["trials"] else "-")
         return vals
 
-    def vs_oracle(res) -> list:
-        """Per column, its per-trial latency over the oracle's (:func:`speed.paired_ratio`)."""
-        return [speed.paired_ratio(res, r.policy) if res and r.policy != "oracle" else None
-                for r in results]
-    raw_vs_o, adj_vs_o = vs_oracle(results), vs_oracle(adj)
+    raw_vs_o, adj_vs_o = ([fig.latency_vs_oracle[k].get(r.policy) for r in results] for k in ("raw", "adjusted"))
 
     step_ms = [_fmt(mean(v for _, v in tr) if (tr := r.workload.get("decode_step_trials_s")) else None, "ms")
                for r in results]
@@ -302,6 +312,10 @@ def rows(results: Sequence[PolicyResult], wide: bool = True, *,
             " / ".join(_fmt((r.server or {}).get(f"{k}_rate"), "%") for k in ("device", "host", "loading", "miss"))
             if r.server else "-" for r in results]),
         ("load hidden fraction", s("load_hidden_fraction", "%")),
+        ("engine: forwards / KV copies (s)", [
+            f"{_fmt(r.server['engine_prefill_forward_s'] + r.server['engine_decode_forward_s'], 's')} / "
+            f"{_fmt(r.server.get('engine_copy_s'), 's')}"
+            if r.server and "engine_prefill_forward_s" in r.server else "-" for r in results]),
         ("retractions (no room to decode)", s("retractions", "int")),
         ("prefetch wasted (what took it)", [_wasted(r.server) for r in results]),
         ("prefetched pages evicted unread", s("prefetch_evicted_pages", "int")),
@@ -390,8 +404,9 @@ def target_lines(results: Sequence[PolicyResult], targets: Sequence[Target], *,
 
 
 def print_report(console, results: Sequence[PolicyResult], *, title: str,
-                 targets: Sequence[Target] = (), wide: bool = False) -> None:
-    fig = Figures(results)
+                 targets: Sequence[Target] = (), wide: bool = False,
+                 figures: Optional[Figures] = None) -> None:
+    fig = figures if figures is not None else Figures(results)
     console.print(render_table(results, title, wide=wide, figures=fig))
     oracle = ratios(results).get("oracle", {})
     bound = oracle.get("speedup_vs_lru")

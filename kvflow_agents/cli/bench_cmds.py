@@ -89,7 +89,6 @@ def _run_and_report(run, console, meta: dict, *, title: str, targets, progress: 
                     json_out: Optional[str], plot_out: Optional[str], wide: bool = False) -> None:
     """Run a bench (``run(progress_hook, log)`` -> results), then table / JSON / plot; exit 3
     when a server did not start, 1 when any request failed."""
-    from kvflow_agents.bench import report
     from kvflow_agents.bench.server import ServerStartError
 
     try:
@@ -98,21 +97,24 @@ def _run_and_report(run, console, meta: dict, *, title: str, targets, progress: 
     except ServerStartError as e:
         console.print(f"[red]error: a server did not start[/]\n{escape(str(e))}")
         raise typer.Exit(3) from None
-    doc = report.to_json(meta, results, targets, raw=raw)
-    _emit(console, doc, results, title=title, targets=targets, json_path=json_out, plot_path=plot_out,
-          wide=wide)
+    _emit(console, meta, results, title=title, targets=targets, raw=raw, json_path=json_out,
+          plot_path=plot_out, wide=wide)
     if any(r.workload.get("errors") for r in results):
         raise typer.Exit(1)
 
 
-def _emit(console, doc: dict, results, *, title: str, targets, json_path: Optional[str],
+def _emit(console, meta: dict, results, *, title: str, targets, raw: bool, json_path: Optional[str],
           plot_path: Optional[str], wide: bool = False) -> None:
+    """The table (or the JSON on stdout with ``--json -``), the JSON file and the plot, from one
+    :class:`~kvflow_agents.bench.report.Figures` (its bootstrap runs once)."""
     from kvflow_agents.bench import report
 
+    fig = report.Figures(results)
+    doc = report.to_json(meta, results, targets, raw=raw, figures=fig)
     if json_path == "-":
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
     else:
-        report.print_report(console, results, title=title, targets=targets, wide=wide)
+        report.print_report(console, results, title=title, targets=targets, wide=wide, figures=fig)
         if json_path:
             report.write_json(doc, json_path)
             console.print(f"[dim]JSON written to {json_path}[/]")
@@ -284,8 +286,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         except (OSError, ValueError, TypeError) as e:
             raise typer.BadParameter(str(e), param_hint="RESULT") from None
         title = f"{meta.get('command') or 'kvflow bench ' + str(meta.get('bench', ''))} ({Path(result).name})"
-        _emit(Console(), report.to_json(meta, results, targets, raw=True), results, title=title,
-              targets=targets, json_path=json_out, plot_path=plot_out, wide=wide)
+        _emit(Console(), meta, results, title=title, targets=targets, raw=True, json_path=json_out,
+              plot_path=plot_out, wide=wide)
 
     @bench_app.command("workflow")
     def workflow(
