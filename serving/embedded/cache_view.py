@@ -12,7 +12,12 @@ loads read as ``device``). Sizes are in tokens, not pages, for a person debuggin
                                 "ste": 1, "priority": 1, "tokens": 480}]}],
      "queue": {"waiting", "loading", "running"}, "loads_in_flight": 0,
      "link": {"emulated_gbps": 0.5 | null}, "metrics": {...},
-     "engine": {"steps", "decode_steps", "prefill_forward_s", "decode_forward_s"}}
+     "engine": {"steps", "decode_steps", "prefill_forward_s", "decode_forward_s", "copy_s"}}
+
+``engine.copy_s``: wall seconds copying KV between the tiers (loads and backups; CPU: on the
+engine thread, or on the copy thread with ``--copy-thread``; CUDA: the launches and the
+backups' synchronous reads). A GPU's copy engine does the loads beside the forwards; on a CPU
+they take the forwards' cores, which is what this counter shows.
 
 ``ste``/``priority`` ``null`` mean infinity (never again / not protected). With a ``tenant``
 (the server's tenancy), only that tenant's workflows are listed, under the ids it sent.
@@ -69,7 +74,8 @@ def cache_report(engine, tenant: Optional[str] = None) -> dict:
         "loads_in_flight": snap["loads_in_flight"],
         "link": {"emulated_gbps": engine.config.host_link_gbps},
         "metrics": {k: num(v) for k, v in snap["metrics"].items()},
-        "engine": {k: engine.counters[k] for k in ENGINE_COUNTERS},
+        "engine": {**{k: engine.counters[k] for k in ENGINE_COUNTERS},
+                   "copy_s": engine.pool.stats["load_s"] + engine.pool.stats["backup_s"]},
     }
 
 

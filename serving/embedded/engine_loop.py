@@ -544,7 +544,7 @@ class EngineLoop:
             counters = dict(self.counters)
         self._snapshot = {
             "model": self.model_name, "policy": self.policy.name, "page_size": self.page_size,
-            "counters": counters, "queue": self.scheduler.counts(),
+            "counters": counters, "queue": self.scheduler.counts(), "kv_copies": dict(self.pool.stats),
             "admission_passes": dict(self.scheduler.passes),
             "device_pages": {"capacity": mgr.device.capacity, "used": mgr.device.num_used,
                              "reserved": mgr.decode_reserved},

@@ -128,6 +128,14 @@ class EngineCollector:
                       "thread, by phase (the rest of a step is scheduling, cache and sampling).",
                       labels=["phase"], samples=[(["prefill"], c.get("prefill_forward_s", 0.0)),
                                                  (["decode"], c.get("decode_forward_s", 0.0))])
+        kc = s.get("kv_copies") or {}
+        yield counter("kv_copy_seconds", "Wall time copying KV between the tiers, by direction "
+                      "(CPU: on the engine thread unless --copy-thread).",
+                      labels=["direction"], samples=[(["load"], kc.get("load_s", 0.0)),
+                                                     (["backup"], kc.get("backup_s", 0.0))])
+        yield counter("kv_copy_pages", "KV pages copied between the tiers, by direction.",
+                      labels=["direction"], samples=[(["load"], kc.get("load_pages", 0)),
+                                                     (["backup"], kc.get("backup_pages", 0))])
         h = s.get("hints")
         if h is not None:
             yield gauge("hint_workflows", "Workflows in the hint registry.", labels=["state"],

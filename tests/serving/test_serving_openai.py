@@ -226,6 +226,30 @@ def test_model_forward_time_is_reported_beside_the_steps(serve):
         assert prom['kvflow_model_forward_seconds_total{phase="prefill"}'] == pytest.approx(eng["prefill_forward_s"])
 
 
+def test_kv_copy_time_is_reported_beside_the_forwards(serve):
+    """A device pool too small for two prompts makes hicache back one up and load it again:
+    the copies' pages and seconds reach ``/kvflow/v1/cache`` (``engine.copy_s``, what the
+    benches set beside the forwards) and ``/metrics``, agreeing with the pool's own count."""
+    prompts = [{"role": "system", "content": f"Agent {name}: " + "check every figure twice. " * 24}
+               for name in ("alpha", "beta")]
+    with serve(policy="hicache", device_tokens=1024, host_tokens=4096) as srv:
+        assert srv.cache()["engine"]["copy_s"] == 0
+        for system in (prompts[0], prompts[1], prompts[0]):
+            srv.client().chat.completions.create(
+                model="tiny-random", messages=[system, {"role": "user", "content": "q"}], max_tokens=2)
+        stats = srv.engine.call(lambda e: dict(e.pool.stats))
+        assert stats["backup_pages"] > 0 and stats["load_pages"] > 0
+        assert srv.cache()["engine"]["copy_s"] == pytest.approx(stats["load_s"] + stats["backup_s"])
+        assert srv.cache()["engine"]["copy_s"] > 0
+        srv.engine.call(lambda e: e._publish(force=True))
+        prom = {line.rsplit(" ", 1)[0]: float(line.split()[-1])
+                for line in httpx.get(srv.url + "/metrics").text.splitlines()
+                if line.startswith(("kvflow_kv_copy_pages_total", "kvflow_kv_copy_seconds_total"))}
+        assert prom['kvflow_kv_copy_pages_total{direction="load"}'] == stats["load_pages"]
+        assert prom['kvflow_kv_copy_pages_total{direction="backup"}'] == stats["backup_pages"]
+        assert prom['kvflow_kv_copy_seconds_total{direction="load"}'] == pytest.approx(stats["load_s"])
+
+
 def test_request_json_roundtrip_raw_http(serve):
     """A plain HTTP client (no SDK) gets an SSE stream ending in [DONE]."""
     with serve(policy="hicache") as srv:
