@@ -43,6 +43,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .model.config import LlamaConfig
@@ -79,6 +80,7 @@ class PagedKVPool:
         self._pending: list[_Copy] = []
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # CPU copies
+        self._np_rows: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # tier -> (tensor, its rows)
         self.copy_thread = bool(copy_thread) and not self._cuda
         self.stats = {"backup_pages": 0, "load_pages": 0, "backup_s": 0.0, "load_s": 0.0,
                       "copies_run_by_waiter": 0}
@@ -167,7 +169,8 @@ class PagedKVPool:
     def _cpu_copy(self, kind: str, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """A ``kind`` ("load": host -> device | "backup": device -> host) copy on CPU: queued on
         the copy thread, recorded against the device pages it writes or reads; else inline."""
-        dst, src = (self.device_kv, self.host_kv) if kind == "load" else (self.host_kv, self.device_kv)
+        dst, src = ((self._rows("device"), self._rows("host")) if kind == "load"
+                    else (self._rows("host"), self._rows("device")))
         dst_pages, src_pages = ((device_pages, host_pages) if kind == "load"
                                 else (host_pages, device_pages))
         if not self.copy_thread:
@@ -181,8 +184,17 @@ class PagedKVPool:
         self._pending.append(_Copy(fut, frozenset(int(p) for p in device_pages),
                                    frozenset(int(p) for p in host_pages), args))
 
-    def _timed_copy(self, kind: str, dst: torch.Tensor, dst_pages: Sequence[int],
-                    src: torch.Tensor, src_pages: Sequence[int]) -> None:
+    def _rows(self, tier: str) -> np.ndarray:
+        """:func:`_page_rows` of a tier's tensor, made once per tensor (``.numpy()`` costs
+        ~10 us, a one-page copy ~4 us); rebuilt when the tensor is replaced (a growing pool)."""
+        kv = self.device_kv if tier == "device" else self.host_kv
+        cached = self._np_rows.get(tier)
+        if cached is None or cached[0] is not kv:
+            cached = self._np_rows[tier] = (kv, _page_rows(kv))
+        return cached[1]
+
+    def _timed_copy(self, kind: str, dst: np.ndarray, dst_pages: Sequence[int],
+                    src: np.ndarray, src_pages: Sequence[int]) -> None:
         """The copy itself (on the copy thread or inline), timed into ``stats``."""
         t0 = time.perf_counter()
         try:
@@ -285,7 +297,7 @@ class _Copy:
         self.done, self.device_pages, self.host_pages, self.args = done, device_pages, host_pages, args
 
 
-# A copy of up to this many runs goes slice by slice; more (a fragmented pool) one gather.
+# A copy of up to this many runs goes slice by slice; more (a fragmented pool) row by row.
 MAX_SLICE_RUNS = 16
 
 
@@ -313,17 +325,27 @@ def _check_ids(pages: Sequence[int], n: int) -> None:
         raise IndexError(f"page id out of range [0, {n})")
 
 
-def _copy_pages(dst: torch.Tensor, dst_pages: Sequence[int], src: torch.Tensor,
+def _page_rows(kv: torch.Tensor) -> np.ndarray:
+    """A CPU pool tier as numpy bytes ``[layers * 2, pages, page bytes]``, sharing its memory
+    (the tier is contiguous: one page of one layer's K or V is one contiguous row)."""
+    return kv.view(kv.shape[0] * kv.shape[1], kv.shape[2], -1).view(torch.uint8).numpy()
+
+
+def _copy_pages(d_rows: np.ndarray, dst_pages: Sequence[int], s_rows: np.ndarray,
                 src_pages: Sequence[int]) -> None:
-    """CPU copy of whole pages (dim 2) ``src[src_pages] -> dst[dst_pages]`` (ids checked by the
-    caller). Neighbouring pages go as one slice ``copy_`` (no gather temporary, no index
-    tensors: a 62-page prefix in one run copies ~6x faster than ``index_select`` +
-    ``index_copy_``)."""
+    """CPU copy of whole pages ``src[src_pages] -> dst[dst_pages]`` between two tiers'
+    :func:`_page_rows` (ids checked by the caller): a numpy slice or row gather costs ~1 us to set up
+    against ~20 us for a torch ``copy_`` of a strided slice, and torch's ``index_select`` +
+    ``index_copy_`` moves ~1 GB/s. Neighbouring pages go as one slice per layer's K and V; a
+    fragmented copy (more than ``MAX_SLICE_RUNS`` runs) as one row gather per layer's K and V.
+    tiny-random, one thread: 64 scattered pages 0.24 ms (torch: 1.6 ms), 64 in one run 0.11 ms
+    (0.14), one page 4 us (19) (bench/RESULTS.md §6.34)."""
     runs = page_runs(dst_pages, src_pages)
     if len(runs) <= MAX_SLICE_RUNS:
         for d, s, n in runs:
-            dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
+            d_rows[:, d:d + n] = s_rows[:, s:s + n]
         return
-    d = torch.as_tensor(list(dst_pages), dtype=torch.long)
-    s = torch.as_tensor(list(src_pages), dtype=torch.long)
-    dst.index_copy_(2, d, src.index_select(2, s))
+    d = np.asarray(dst_pages, dtype=np.intp)
+    s = np.asarray(src_pages, dtype=np.intp)
+    for i in range(d_rows.shape[0]):
+        d_rows[i, d] = s_rows[i, s]

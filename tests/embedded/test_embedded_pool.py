@@ -103,6 +103,25 @@ def test_page_copies_match_a_gather(tiny16, dst_pages, src_pages):
     assert torch.equal(pool.host_kv, host_want)
 
 
+def test_copies_follow_a_replaced_device_tensor(tiny16):
+    """The CPU copies work on numpy views of the tiers made once per tensor; a grown device
+    tier (the engine replaces ``device_kv`` with a longer one) gets the next load, and the
+    old tensor's view is let go."""
+    _, _, cfg = tiny16
+    pool = make_pool(cfg, device_pages=8, host_pages=8)
+    pool.host_kv.normal_()
+    pool.start_load([1, 2], [0, 1])
+    pool.wait_copies()
+    old = pool.device_kv
+    pool.device_kv = torch.cat([old, torch.zeros_like(old)], 2)   # 16 pages now
+    pool.start_load([3, 4, 5], [12, 13, 14])
+    pool.wait_copies()
+    assert torch.equal(pool.device_kv[:, :, 12:15], pool.host_kv[:, :, 3:6])
+    assert torch.equal(pool.device_kv[:, :, 0:2], pool.host_kv[:, :, 1:3])
+    assert not torch.equal(old[:, :, 0:2], torch.zeros_like(old[:, :, 0:2]))  # the first load landed there
+    assert all(t is not old for t, _ in pool._np_rows.values())
+
+
 def test_cpu_loads_run_on_a_copy_thread_in_order(tiny16):
     """start_load returns before the copy is done; loads land in the order they were started
     (a later load into the same pages wins); a backup queued after them copies what they wrote."""

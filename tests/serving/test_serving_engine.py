@@ -78,7 +78,7 @@ def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model,
 
     def slow_poisoning_copy(self, kind, dst, dst_pages, src, src_pages):
         if kind == "load" and self.copy_thread:  # nothing may read these pages until copied
-            dst.index_fill_(2, torch.tensor(list(dst_pages)), float("nan"))
+            self.device_kv.index_fill_(2, torch.tensor(list(dst_pages)), float("nan"))
         time.sleep(0.08)
         copy(self, kind, dst, dst_pages, src, src_pages)
 
