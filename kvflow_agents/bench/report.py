@@ -100,7 +100,8 @@ class Figures:
         """Per policy, its per-trial latency over the oracle's, raw and speed-adjusted
         (:func:`.speed.paired_ratio`): ``{"raw": {policy: ...}, "adjusted": {policy: ...}}``."""
         if self.speed:
-            return {"raw": self.speed["latency_vs_oracle"], "adjusted": self.speed["latency_vs_oracle_adjusted"]}
+            return {"raw": self.speed["latency_vs_oracle"],
+                    "adjusted": self.speed["latency_vs_oracle_adjusted"]}
         return {"raw": {r.policy: speed.paired_ratio(self.results, r.policy)
                         for r in self.results if r.policy != "oracle"}, "adjusted": {}}
 
@@ -255,7 +256,8 @@ def rows(results: Sequence[PolicyResult], wide: bool = True, *,
                 vals.append(_range([x["min"], x["max"]], "f2") if x["trials"] else "-")
         return vals
 
-    raw_vs_o, adj_vs_o = ([fig.latency_vs_oracle[k].get(r.policy) for r in results] for k in ("raw", "adjusted"))
+    raw_vs_o, adj_vs_o = ([fig.latency_vs_oracle[k].get(r.policy) for r in results]
+                          for k in ("raw", "adjusted"))
 
     step_ms = [_fmt(mean(v for _, v in tr) if (tr := r.workload.get("decode_step_trials_s")) else None, "ms")
                for r in results]

@@ -202,7 +202,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"policy={policy} loaded in {time.perf_counter() - t0:.1f}s")
         typer.echo(f"  KV pools: device {device_tokens} tokens, host "
                    f"{host_tokens if eng.policy.host_tier else 0} tokens, page {page_size}; "
-                   f"host link: {link}; KV copies {eng.pool.copy_mode}; lookahead {lookahead}; max batch {max_batch}; "
+                   f"host link: {link}; KV copies {eng.pool.copy_mode}; lookahead {lookahead}; "
+                   f"max batch {max_batch}; "
                    f"admission {eng.manager.admission.order}"
                    + (f" (status-aware, skip scope {eng.scheduler.skip_scope})"
                       if eng.scheduler.status_aware else "") + "; eviction "

@@ -190,9 +190,10 @@ class EngineLoop:
             if self._guard(req, "admission", self._admit, req) is False:
                 break
             progress = True
-        # Prefetches after admission: a copy thread (--copy-thread) is FIFO, so the backups admission queued
-        # (out of the pages this step's prefill writes) go before the prefetch loads. The
-        # prefetcher reserves pages for waiting requests either way (manager._session_reserve).
+        # Prefetches after admission: a copy thread (--copy-thread) is FIFO, so the backups
+        # admission queued (out of the pages this step's prefill writes) go before the
+        # prefetch loads. The prefetcher reserves pages for waiting requests either way
+        # (manager._session_reserve).
         progress |= bool(mgr.prefetch(self.pool.now()))
         progress |= self._prefill()
         if any(r.decoding for r in sched.running):
@@ -544,7 +545,7 @@ class EngineLoop:
             counters = dict(self.counters)
         self._snapshot = {
             "model": self.model_name, "policy": self.policy.name, "page_size": self.page_size,
-            "counters": counters, "queue": self.scheduler.counts(), "kv_copies": dict(self.pool.stats),
+            "counters": counters, "kv_copies": dict(self.pool.stats), "queue": self.scheduler.counts(),
             "admission_passes": dict(self.scheduler.passes),
             "device_pages": {"capacity": mgr.device.capacity, "used": mgr.device.num_used,
                              "reserved": mgr.decode_reserved},
