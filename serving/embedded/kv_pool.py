@@ -18,7 +18,9 @@ Page ids are handed out by the policy's allocators; this class never allocates.
   ``copy_thread``, on the copy thread. Inline is the CPU default because a copy running
   beside a forward goes through the same caches: with 8 workflows the copy thread slowed
   prefills that overlapped a copy 1.8x and made calls 1.4-2 % slower (bench/RESULTS.md
-  §6.33); a GPU's copy engine does not charge its forwards that way.
+  §6.33); a GPU's copy engine does not charge its forwards that way. CPU copies keep the GIL
+  (one memcpy per run of pages and layer's K or V): a copy that released it would wait for
+  the event loop's thread to give it back, up to the 5 ms switch interval (``_copy_pages``).
 - The copy thread is one FIFO: every copy runs after the copies queued before it, so a load
   reads a host page only after a backup queued earlier wrote it, and lands in a device page
   only after a backup queued earlier read it. The one exception keeps that order: a copy a
@@ -43,7 +45,6 @@ import threading
 import time
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
 from .model.config import LlamaConfig
@@ -80,7 +81,7 @@ class PagedKVPool:
         self._pending: list[_Copy] = []
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # CPU copies
-        self._np_rows: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # tier -> (tensor, its rows)
+        self._tier_bytes: dict[str, _TierBytes] = {}  # CPU copies: "device" | "host" -> its bytes
         self.copy_thread = bool(copy_thread) and not self._cuda
         self.stats = {"backup_pages": 0, "load_pages": 0, "backup_s": 0.0, "load_s": 0.0,
                       "copies_run_by_waiter": 0}
@@ -169,8 +170,8 @@ class PagedKVPool:
     def _cpu_copy(self, kind: str, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """A ``kind`` ("load": host -> device | "backup": device -> host) copy on CPU: queued on
         the copy thread, recorded against the device pages it writes or reads; else inline."""
-        dst, src = ((self._rows("device"), self._rows("host")) if kind == "load"
-                    else (self._rows("host"), self._rows("device")))
+        dst, src = ((self._bytes("device"), self._bytes("host")) if kind == "load"
+                    else (self._bytes("host"), self._bytes("device")))
         dst_pages, src_pages = ((device_pages, host_pages) if kind == "load"
                                 else (host_pages, device_pages))
         if not self.copy_thread:
@@ -184,17 +185,17 @@ class PagedKVPool:
         self._pending.append(_Copy(fut, frozenset(int(p) for p in device_pages),
                                    frozenset(int(p) for p in host_pages), args))
 
-    def _rows(self, tier: str) -> np.ndarray:
-        """:func:`_page_rows` of a tier's tensor, made once per tensor (``.numpy()`` costs
-        ~10 us, a one-page copy ~4 us); rebuilt when the tensor is replaced (a growing pool)."""
+    def _bytes(self, tier: str) -> "_TierBytes":
+        """A tier's :class:`_TierBytes`, made once per tensor (``.numpy()`` costs ~10 us, a
+        one-page copy ~3 us); made again when the tensor is replaced (a growing pool)."""
         kv = self.device_kv if tier == "device" else self.host_kv
-        cached = self._np_rows.get(tier)
-        if cached is None or cached[0] is not kv:
-            cached = self._np_rows[tier] = (kv, _page_rows(kv))
-        return cached[1]
+        cached = self._tier_bytes.get(tier)
+        if cached is None or cached.tensor is not kv:
+            cached = self._tier_bytes[tier] = _TierBytes(kv)
+        return cached
 
-    def _timed_copy(self, kind: str, dst: np.ndarray, dst_pages: Sequence[int],
-                    src: np.ndarray, src_pages: Sequence[int]) -> None:
+    def _timed_copy(self, kind: str, dst: "_TierBytes", dst_pages: Sequence[int],
+                    src: "_TierBytes", src_pages: Sequence[int]) -> None:
         """The copy itself (on the copy thread or inline), timed into ``stats``."""
         t0 = time.perf_counter()
         try:
@@ -297,10 +298,6 @@ class _Copy:
         self.done, self.device_pages, self.host_pages, self.args = done, device_pages, host_pages, args
 
 
-# A copy of up to this many runs goes slice by slice; more (a fragmented pool) row by row.
-MAX_SLICE_RUNS = 16
-
-
 def page_runs(dst_pages: Sequence[int], src_pages: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(dst_start, src_start, length)`` for the maximal stretches where both page lists count
     up by one (the page allocator hands out neighbouring ids, ``policy/pages.py``)."""
@@ -325,27 +322,33 @@ def _check_ids(pages: Sequence[int], n: int) -> None:
         raise IndexError(f"page id out of range [0, {n})")
 
 
-def _page_rows(kv: torch.Tensor) -> np.ndarray:
-    """A CPU pool tier as numpy bytes ``[layers * 2, pages, page bytes]``, sharing its memory
-    (the tier is contiguous: one page of one layer's K or V is one contiguous row)."""
-    return kv.view(kv.shape[0] * kv.shape[1], kv.shape[2], -1).view(torch.uint8).numpy()
+class _TierBytes:
+    """A CPU pool tier's memory as one flat byte ``memoryview`` (shared, not copied): page ``p``
+    of row ``r`` (one layer's K or V; the tier is contiguous) is the ``row_bytes`` bytes at
+    ``(r * pages + p) * row_bytes``."""
+
+    __slots__ = ("tensor", "mv", "rows", "pages", "row_bytes")
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.tensor = kv
+        self.rows, self.pages = kv.shape[0] * kv.shape[1], kv.shape[2]
+        self.row_bytes = kv[0, 0, :1].numel() * kv.element_size()
+        self.mv = memoryview(kv.view(-1).view(torch.uint8).numpy())
 
 
-def _copy_pages(d_rows: np.ndarray, dst_pages: Sequence[int], s_rows: np.ndarray,
+def _copy_pages(dst: _TierBytes, dst_pages: Sequence[int], src: _TierBytes,
                 src_pages: Sequence[int]) -> None:
-    """CPU copy of whole pages ``src[src_pages] -> dst[dst_pages]`` between two tiers'
-    :func:`_page_rows` (ids checked by the caller): a numpy slice or row gather costs ~1 us to set up
-    against ~20 us for a torch ``copy_`` of a strided slice, and torch's ``index_select`` +
-    ``index_copy_`` moves ~1 GB/s. Neighbouring pages go as one slice per layer's K and V; a
-    fragmented copy (more than ``MAX_SLICE_RUNS`` runs) as one row gather per layer's K and V.
-    tiny-random, one thread: 64 scattered pages 0.24 ms (torch: 1.6 ms), 64 in one run 0.11 ms
-    (0.14), one page 4 us (19) (bench/RESULTS.md §6.34)."""
-    runs = page_runs(dst_pages, src_pages)
-    if len(runs) <= MAX_SLICE_RUNS:
-        for d, s, n in runs:
-            d_rows[:, d:d + n] = s_rows[:, s:s + n]
-        return
-    d = np.asarray(dst_pages, dtype=np.intp)
-    s = np.asarray(src_pages, dtype=np.intp)
-    for i in range(d_rows.shape[0]):
-        d_rows[i, d] = s_rows[i, s]
+    """CPU copy of whole pages ``src[src_pages] -> dst[dst_pages]`` (ids checked by the caller):
+    one ``memoryview`` slice assignment (a memcpy) per run of neighbouring pages and per layer's
+    K and V. Unlike numpy's and torch's copies it keeps the GIL: they release it for the memcpy,
+    and on a serving process getting it back waits for the event loop's thread to give it up,
+    up to the 5 ms switch interval, per copy op: in a served 8-workflow run copies took 2.8x
+    their CPU time, 64-page loads up to 6.7 ms for 0.3 ms of work (bench/RESULTS.md §6.35).
+    tiny-random alone: 64 pages in one run 0.06 ms, scattered 0.3 ms, one page 3 us."""
+    rb, d_mv, s_mv = dst.row_bytes, dst.mv, src.mv
+    d_stride, s_stride = dst.pages * rb, src.pages * rb
+    for d, s, n in page_runs(dst_pages, src_pages):
+        d0, s0, nb = d * rb, s * rb, n * rb
+        for r in range(dst.rows):
+            od, os_ = d0 + r * d_stride, s0 + r * s_stride
+            d_mv[od:od + nb] = s_mv[os_:os_ + nb]

@@ -1,5 +1,7 @@
 """PagedKVPool: the policy's KVTransferBackend over real tensors (tiny-random)."""
 
+import time
+
 import pytest
 import torch
 
@@ -78,11 +80,11 @@ def test_argument_checks(tiny16):
     (list(range(10, 20)), list(range(30, 40))),                        # one run each side
     ([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]),                               # dst breaks once
     ([60, 61, 2, 3, 40], [7, 8, 9, 1, 2]),                             # both break, descending
-    ([2 * i for i in range(20)], list(range(20))),                     # 20 runs: one gather
+    ([2 * i for i in range(20)], list(range(20))),                     # 20 one-page runs
 ])
 def test_page_copies_match_a_gather(tiny16, dst_pages, src_pages):
     """backup/load copy neighbouring pages as slices: same bytes as index_select/index_copy_."""
-    from kvflow_agents.serving.embedded.kv_pool import MAX_SLICE_RUNS, page_runs
+    from kvflow_agents.serving.embedded.kv_pool import page_runs
 
     _, _, cfg = tiny16
     pool = make_pool(cfg, device_pages=64, host_pages=64)
@@ -95,7 +97,6 @@ def test_page_copies_match_a_gather(tiny16, dst_pages, src_pages):
     assert torch.equal(pool.device_kv, want)
     runs = page_runs(dst_pages, src_pages)
     assert sum(n for _, _, n in runs) == len(dst_pages)
-    assert (len(runs) > MAX_SLICE_RUNS) == (dst_pages[1] - dst_pages[0] == 2)  # the last case
     host_want = pool.host_kv.clone()
     host_want.index_copy_(2, torch.tensor(src_pages), pool.device_kv.index_select(2, torch.tensor(dst_pages)))
     pool.backup_to_host(dst_pages, src_pages)
@@ -104,7 +105,7 @@ def test_page_copies_match_a_gather(tiny16, dst_pages, src_pages):
 
 
 def test_copies_follow_a_replaced_device_tensor(tiny16):
-    """The CPU copies work on numpy views of the tiers made once per tensor; a grown device
+    """The CPU copies work on byte views of the tiers made once per tensor; a grown device
     tier (the engine replaces ``device_kv`` with a longer one) gets the next load, and the
     old tensor's view is let go."""
     _, _, cfg = tiny16
@@ -119,7 +120,51 @@ def test_copies_follow_a_replaced_device_tensor(tiny16):
     assert torch.equal(pool.device_kv[:, :, 12:15], pool.host_kv[:, :, 3:6])
     assert torch.equal(pool.device_kv[:, :, 0:2], pool.host_kv[:, :, 1:3])
     assert not torch.equal(old[:, :, 0:2], torch.zeros_like(old[:, :, 0:2]))  # the first load landed there
-    assert all(t is not old for t, _ in pool._np_rows.values())
+    assert all(b.tensor is not old for b in pool._tier_bytes.values())
+
+
+def test_cpu_copies_keep_the_gil(tiny16):
+    """An inline copy does not hand the GIL to another thread: in a server the event loop's
+    thread would take it, and the engine thread would wait up to the switch interval (5 ms) to
+    get it back, per copy op. A thread that wants the GIL the whole time does not run during a
+    load or a backup (the switch interval is raised so only a release could let it in)."""
+    import sys
+    import threading
+
+    _, _, cfg = tiny16
+    pool = make_pool(cfg, device_pages=64, host_pages=64)
+    pool.host_kv.normal_()
+    pages = list(range(0, 64, 2))                          # 32 runs: many copy ops
+    pool.start_load([0], [0])       # (views of the tiers made first: torch ops release the GIL)
+    go, stop, ran = threading.Event(), threading.Event(), [0]
+
+    def want_the_gil():
+        go.wait()
+        while True:
+            ran[0] += 1
+            if stop.is_set():
+                return
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    t = threading.Thread(target=want_the_gil)
+    t.start()
+    try:
+        go.set()
+        until = time.perf_counter() + 0.005               # (holding the GIL: it is waiting now)
+        while time.perf_counter() < until:
+            pass
+        before = ran[0]
+        pool.start_load(pages, pages)
+        pool.backup_to_host(pages[::-1], pages)
+        during = ran[0] - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        t.join()
+    assert ran[0] > 0                                      # it did run, once we let go
+    assert during == 0
+    assert torch.equal(pool.host_kv[:, :, pages], pool.device_kv[:, :, pages[::-1]])
 
 
 def test_cpu_loads_run_on_a_copy_thread_in_order(tiny16):
