@@ -83,7 +83,11 @@ class Transfers:
         dp = self._alloc_device(k, reason, above)
         if dp is None:
             return None
-        hp_all: list[int] = []
+        try:  # the backend first: a copy that cannot start leaves no node LOADING for ever
+            ready = self.backend.start_load([p for n in host_nodes for p in n.host_pages], dp)
+        except Exception:
+            self.device.free(dp)
+            raise
         i = 0
         for n in host_nodes:
             m = len(n.host_pages)
@@ -92,8 +96,6 @@ class Transfers:
             n.set_state(LOADING)
             self.book.node_tier(n, False)
             n.parent.n_device_children += 1
-            hp_all.extend(n.host_pages)
-        ready = self.backend.start_load(hp_all, dp)
         ld = self.loads.start(host_nodes, k, kind, now, ready=ready, tag=tag)
         for n in host_nodes:
             n.load = ld

@@ -88,3 +88,42 @@ def test_prefixes_found_on_device_hold_their_own_tokens(policy):
     assert host_evictions > 20 and m.metrics.hit_tokens_host > 0, dict(ev)
     assert 0 < backend.backup_calls < device_evictions
     assert backend.backup_pages == m.metrics.backup_pages
+
+
+class FailingLoads(ShadowBackend):
+    """A backend whose next ``fail`` loads raise (a broken tier, a pinned staging buffer the
+    device could not allocate)."""
+
+    fail = 0
+
+    def start_load(self, host_pages, device_pages) -> float:
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("copy engine gone")
+        return super().start_load(host_pages, device_pages)
+
+
+@pytest.mark.parametrize("policy", ["hicache", "kvflow"])
+def test_a_load_that_cannot_start_leaves_the_prefix_on_host(policy):
+    """The error reaches the caller (the engine fails that request) and the store is as before
+    the attempt: the prefix still host-only, not LOADING for ever (requests waiting on it hung),
+    its device pages free again; the next load of it works and reads its own tokens."""
+    clock = VirtualClock()
+    backend = FailingLoads(clock)
+    m = KVCacheManager(policy, page_size=1, device_pages=24, host_pages=64, backend=backend)
+    m.clock = clock
+    first, second = list(range(100, 116)), list(range(200, 216))
+    for tokens, agent in ((first, "a"), (second, "b")):    # the second evicts the first to host
+        clock.t += 1.0
+        assert serve_writing(m, backend, tokens, len(tokens), agent)
+    pm = m.match(first)
+    assert pm.needs_load
+    backend.fail = 1
+    with pytest.raises(RuntimeError, match="copy engine gone"):
+        m.load_on_demand(pm)
+    m.check_invariants()               # (page accounting: the allocated pages went back)
+    pm = m.match(first, record=False)
+    assert pm.needs_load and not pm.loading
+    clock.t += 1.0
+    assert serve_writing(m, backend, first, len(first), "a")   # loads it, checks its tokens
+    assert m.match(first, record=False).device_pages
