@@ -92,8 +92,21 @@ class Figures:
 
     @cached_property
     def speed(self) -> Optional[dict]:
-        """:func:`.speed.speed_summary` (``None`` without per-trial decode speeds)."""
+        """:func:`.speed.speed_summary` (``None`` without per-trial decode speeds, or a fit too
+        imprecise to use: :attr:`speed_fit`)."""
         return speed.speed_summary(self.results, self.adjusted)
+
+    @cached_property
+    def speed_fit(self) -> Optional[speed.ElasticityFit]:
+        """:func:`.speed.fit_elasticity`, used or not (``None``: no per-trial decode speeds)."""
+        return speed.fit_elasticity(self.results)
+
+    @property
+    def speed_withheld(self) -> Optional[str]:
+        """Why a run with per-trial speeds shows no adjusted figures (``None``: it shows them,
+        or it has no speeds)."""
+        fit = self.speed_fit
+        return fit.withheld_line() if fit is not None and not fit.usable else None
 
     @cached_property
     def latency_vs_oracle(self) -> dict:
@@ -166,6 +179,7 @@ def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Targe
             "saving": fig.saving,
             "saving_same_pool": fig.saving_same_pool,
             "speed_adjusted": fig.speed,
+            "speed_fit": fig.speed_fit.as_dict() if fig.speed_fit else None,
             "targets": check_targets(results, targets, figures=fig),
             "target_specs": [dataclasses.asdict(t) for t in targets]}
 
@@ -420,6 +434,8 @@ def print_report(console, results: Sequence[PolicyResult], *, title: str,
     for line in target_lines(results, targets, figures=fig):
         color = "dim" if line.startswith(" ") else "green" if "-> met" in line else "red"
         console.print(f"[{color}]{line}[/]", highlight=False)
+    if fig.speed_withheld:
+        console.print(f"[dim]{fig.speed_withheld}[/]", highlight=False)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -435,7 +451,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         lines = target_lines(res, targets, figures=fig) if targets else [
             f"target {t['target']}: {t['measured']:.2f} (p50) -> {'met' if t['met'] else 'MISSED'}"
             for t in doc.get("targets") or [] if t.get("measured") is not None]
-        for line in lines:
+        for line in lines + ([fig.speed_withheld] if fig.speed_withheld else []):
             print(f"\n- {line}")
 
 

@@ -37,6 +37,11 @@ from .runner import PolicyResult
 from .stats import CI_LEVEL, CI_RESAMPLES, paired_bootstrap, saving_ratios
 
 MIN_TRIALS = 3
+# The widest standard error of the elasticity whose adjustment is shown: +-1.645 x 0.3 ~ +-0.5
+# at 90 %, which on processes ~10 % apart moves an adjusted ratio by up to ~5 %, the size of
+# what the runs compare. 16-trial workflow runs fit to 0.03-0.05; PEER's 4 questions to 0.24
+# once and to 0.56 (beta 1.83) the next time (RESULTS.md §6.35).
+MAX_BETA_SE = 0.3
 
 
 def _panel(results: Sequence[PolicyResult]) -> tuple[list[str], list[int], dict]:
@@ -52,7 +57,35 @@ def _panel(results: Sequence[PolicyResult]) -> tuple[list[str], list[int], dict]
     return pols, trials, {(p, t): cells[p][t] for p in pols for t in trials}
 
 
+@dataclass(frozen=True)
+class ElasticityFit:
+    """The fitted elasticity ``beta``, its standard error (residuals over the within-trial,
+    within-policy degrees of freedom) and the trials it was fitted on."""
+    beta: float
+    se: float
+    trials: int
+
+    @property
+    def usable(self) -> bool:
+        """Precise enough for adjusted figures to be shown (:data:`MAX_BETA_SE`)."""
+        return self.se <= MAX_BETA_SE
+
+    def as_dict(self) -> dict:
+        return {"beta": self.beta, "se": self.se, "trials": self.trials, "used": self.usable}
+
+    def withheld_line(self) -> str:
+        return (f"speed adjustment withheld: elasticity {self.beta:.2f} +- {self.se:.2f} (standard "
+                f"error) over {self.trials} trials; shown when the error is <= {MAX_BETA_SE}")
+
+
 def fit_beta(results: Sequence[PolicyResult]) -> Optional[float]:
+    """:func:`fit_elasticity`'s ``beta`` where it is :attr:`~ElasticityFit.usable`, else
+    ``None``."""
+    fit = fit_elasticity(results)
+    return fit.beta if fit is not None and fit.usable else None
+
+
+def fit_elasticity(results: Sequence[PolicyResult]) -> Optional[ElasticityFit]:
     """The elasticity of trial latency to the process's speed, within trials and policies;
     ``None`` with fewer than :data:`MIN_TRIALS` common trials or no spread in speed."""
     pols, trials, cell = _panel(results)
@@ -65,20 +98,26 @@ def fit_beta(results: Sequence[PolicyResult]) -> Optional[float]:
 
     def within(p: str, t: int, i: int) -> float:
         return cell[p, t][i] - by_p[p][i] - by_t[t][i] + grand[i]
-    sxx = sum(within(p, t, 1) ** 2 for p in pols for t in trials)
+    xy = [(within(p, t, 1), within(p, t, 0)) for p in pols for t in trials]
+    sxx = sum(x * x for x, _ in xy)
     if sxx <= 0:
         return None
-    return sum(within(p, t, 1) * within(p, t, 0) for p in pols for t in trials) / sxx
+    beta = sum(x * y for x, y in xy) / sxx
+    df = (len(pols) - 1) * (len(trials) - 1) - 1  # (the effects of policies and trials, beta)
+    rss = sum((y - beta * x) ** 2 for x, y in xy)
+    se = math.sqrt(rss / df / sxx) if df > 0 else math.inf
+    return ElasticityFit(beta, se, len(trials))
 
 
 def adjusted(results: Sequence[PolicyResult]) -> Optional[list[PolicyResult]]:
     """Copies of ``results`` whose trial latencies are moved to the run's mean speed (module
     doc), with ``workflow_latency_p50_s`` / ``_mean_s`` the median / mean of those trials and
-    ``speed_beta`` set; ``None`` when :func:`fit_beta` has no fit. Only the trials every policy
-    has a speed for are kept."""
-    beta = fit_beta(results)
-    if beta is None:
+    ``speed_beta`` / ``speed_beta_se`` set; ``None`` when :func:`fit_beta` has no usable fit.
+    Only the trials every policy has a speed for are kept."""
+    fit = fit_elasticity(results)
+    if fit is None or not fit.usable:
         return None
+    beta = fit.beta
     pols, trials, cell = _panel(results)
     mean_log_speed = mean(cell[p, t][1] for p in pols for t in trials)
     out = []
@@ -87,7 +126,8 @@ def adjusted(results: Sequence[PolicyResult]) -> Optional[list[PolicyResult]]:
                for t in trials]
         vals = [v for _, v in per]
         w = {**r.workload, "workflow_latency_trials_s": per, "workflow_latency_p50_s": median(vals),
-             "workflow_latency_mean_s": mean(vals), "speed_beta": beta}
+             "workflow_latency_mean_s": mean(vals), "speed_beta": beta,
+             "speed_beta_se": fit.se}
         out.append(dataclasses.replace(r, workload=w, raw=None))
     return out
 
@@ -134,7 +174,7 @@ class AdjustedRun:
 
 
 def adjusted_run(results: Sequence[PolicyResult]) -> Optional[AdjustedRun]:
-    """:func:`adjusted` and its saving; ``None`` when :func:`fit_beta` has no fit."""
+    """:func:`adjusted` and its saving; ``None`` when :func:`fit_beta` has no usable fit."""
     adj = adjusted(results)
     return None if adj is None else AdjustedRun(adj, saving_ratios(adj))
 
@@ -150,7 +190,8 @@ def speed_summary(results: Sequence[PolicyResult], run: Optional[AdjustedRun] = 
     if run is None:
         return None
     adj, ref = run.results, "oracle"
-    return {"beta": adj[0].workload["speed_beta"], "trials": len(adj[0].workload["workflow_latency_trials_s"]),
+    return {"beta": adj[0].workload["speed_beta"], "beta_se": adj[0].workload["speed_beta_se"],
+            "trials": len(adj[0].workload["workflow_latency_trials_s"]),
             "speed_vs_oracle": speed_ratios(results, ref),
             "latency_vs_oracle": {r.policy: paired_ratio(results, r.policy, ref)
                                   for r in results if r.policy != ref},

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from statistics import median
 
 import pytest
@@ -82,3 +83,34 @@ def test_the_report_prints_raw_and_adjusted_side_by_side():
     lines = report.target_lines(res, report.SAVING_TARGETS)
     assert any(line.startswith("  speed-adjusted") for line in lines)
     assert all(len(line) <= 80 for line in lines if line.startswith(" "))
+
+
+def test_the_fits_standard_error_matches_its_spread_over_runs():
+    """Over many simulated 4-trial runs the fitted elasticity scatters about as much as the
+    standard error each run reports (what the withholding below relies on)."""
+    fits = [speed.fit_elasticity(simulate({"hicache": 1.2, "kvflow": 1.0, "oracle": 1.0}, trials=4,
+                                          noise_sd=0.04, seed=s)) for s in range(300)]
+    betas = [f.beta for f in fits]
+    spread = statistics.pstdev(betas)
+    typical_se = math.sqrt(statistics.fmean(f.se ** 2 for f in fits))
+    assert statistics.fmean(betas) == pytest.approx(0.9, abs=0.05)
+    assert 0.75 < typical_se / spread < 1.33
+
+
+def test_an_imprecise_fit_is_withheld_and_the_report_says_so():
+    """Four trials whose latencies the process speed explains badly (PEER's answers differ in
+    length between columns): no adjusted figure anywhere, and one line says why."""
+    res = simulate({"hicache": 1.2, "kvflow": 1.0, "oracle": 1.0}, trials=4, noise_sd=0.15, seed=3)
+    fit = speed.fit_elasticity(res)
+    assert fit.trials == 4 and fit.se > speed.MAX_BETA_SE and not fit.usable
+    assert speed.fit_beta(res) is None and speed.adjusted(res) is None
+    fig = report.Figures(res)
+    assert fig.speed is None and "withheld" in fig.speed_withheld
+    names = [n for n, _ in report.rows(res, wide=False, figures=fig)]
+    assert "  speed-adjusted" not in names
+    doc = report.to_json({}, res, report.SAVING_TARGETS, figures=fig)
+    assert doc["speed_adjusted"] is None
+    assert doc["speed_fit"] == {"beta": fit.beta, "se": fit.se, "trials": 4, "used": False}
+    good = report.to_json({}, simulate({"hicache": 1.2, "kvflow": 1.0, "oracle": 1.0}))
+    assert good["speed_fit"]["used"] and good["speed_fit"]["se"] < 0.1
+    assert good["speed_adjusted"]["beta_se"] == good["speed_fit"]["se"]
