@@ -37,7 +37,7 @@ class Evictor:
         self.evict_floor: float | None = None  # set while a prefetch evicts (tests check M4)
         # write-throughs of the eviction pass under way: one backend call per pass (a pass
         # evicts several nodes, most a few pages; each call is a copy-thread submit)
-        self._backups: list[tuple[list[int], list[int]]] = []
+        self._backups: list[tuple[TreeNode, list[int], list[int]]] = []  # (victim, device, host)
 
     # ------------------------------------------------------------------ candidates
     def dev_candidate(self, n: TreeNode) -> bool:
@@ -161,8 +161,17 @@ class Evictor:
         if not self._backups:
             return
         batch, self._backups = self._backups, []
-        self.backend.backup_to_host([p for dev, _ in batch for p in dev],
-                                    [p for _, host in batch for p in host])
+        try:
+            self.backend.backup_to_host([p for _, dev, _ in batch for p in dev],
+                                        [p for _, _, host in batch for p in host])
+        except Exception:  # the host pages hold no copy: no request may find one there
+            for n, _, host in batch:
+                if not n.detached and n.host_pages is host and n.device_pages is None:
+                    self.metrics.dropped_pages += len(host)
+                    parent = n.parent
+                    self._remove_subtree(n)
+                    self._reindex(parent)
+            raise
 
     def _evict_device_node(self, n: TreeNode, prio: float, reason: str) -> int:
         if self.on_evict is not None:
@@ -175,7 +184,7 @@ class Evictor:
             if hp is not None and not n.detached:
                 n.set_state(OFFLOADING)
                 n.host_pages = hp
-                self._backups.append((pages, hp))  # copied at the end of the pass
+                self._backups.append((n, pages, hp))  # copied at the end of the pass
                 self.metrics.backup_pages += k
             elif hp is not None:
                 self.host.free(hp)

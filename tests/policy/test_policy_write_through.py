@@ -127,3 +127,40 @@ def test_a_load_that_cannot_start_leaves_the_prefix_on_host(policy):
     clock.t += 1.0
     assert serve_writing(m, backend, first, len(first), "a")   # loads it, checks its tokens
     assert m.match(first, record=False).device_pages
+
+
+class FailingBackups(ShadowBackend):
+    """A backend whose next ``fail`` write-throughs raise."""
+
+    fail = 0
+
+    def backup_to_host(self, device_pages, host_pages) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("host tier gone")
+        super().backup_to_host(device_pages, host_pages)
+
+
+@pytest.mark.parametrize("policy", ["hicache", "kvflow"])
+def test_a_write_through_that_fails_leaves_no_host_copy_to_find(policy):
+    """The eviction pass has already given the victims' device pages back when their backup
+    fails: the host pages hold nothing, so the victims leave the tree (a later request
+    recomputes them) instead of being found there and loaded as another prompt's KV."""
+    clock = VirtualClock()
+    backend = FailingBackups(clock)
+    m = KVCacheManager(policy, page_size=1, device_pages=24, host_pages=64, backend=backend)
+    m.clock = clock
+    first, second = list(range(100, 116)), list(range(200, 216))
+    assert serve_writing(m, backend, first, len(first), "a")
+    clock.t += 1.0
+    backend.fail = 1
+    with pytest.raises(RuntimeError, match="host tier gone"):
+        m.allocate(len(second))                           # evicts part of the first prompt
+    m.check_invariants()
+    pm = m.match(first, record=False)
+    assert not pm.needs_load and pm.cached_len == len(pm.device_pages) < len(first)
+    assert m.metrics.dropped_pages == len(first) - pm.cached_len
+    for tokens, agent in ((second, "b"), (first, "a"), (second, "b"), (first, "a")):
+        clock.t += 1.0                                    # each checks the KV it reads
+        assert serve_writing(m, backend, tokens, len(tokens), agent)
+    assert m.metrics.hit_tokens_host > 0                  # write-through works again
