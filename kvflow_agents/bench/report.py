@@ -88,7 +88,7 @@ class Figures:
     @cached_property
     def adjusted(self) -> Optional[speed.AdjustedRun]:
         """:func:`.speed.adjusted_run` (``None`` without per-trial decode speeds)."""
-        return speed.adjusted_run(self.results)
+        return speed.adjusted_run(self.results, self.speed_fit)  # (one fit per run)
 
     @cached_property
     def speed(self) -> Optional[dict]:

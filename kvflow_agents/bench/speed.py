@@ -109,12 +109,14 @@ def fit_elasticity(results: Sequence[PolicyResult]) -> Optional[ElasticityFit]:
     return ElasticityFit(beta, se, len(trials))
 
 
-def adjusted(results: Sequence[PolicyResult]) -> Optional[list[PolicyResult]]:
+def adjusted(results: Sequence[PolicyResult],
+             fit: Optional[ElasticityFit] = None) -> Optional[list[PolicyResult]]:
     """Copies of ``results`` whose trial latencies are moved to the run's mean speed (module
     doc), with ``workflow_latency_p50_s`` / ``_mean_s`` the median / mean of those trials and
     ``speed_beta`` / ``speed_beta_se`` set; ``None`` when :func:`fit_beta` has no usable fit.
-    Only the trials every policy has a speed for are kept."""
-    fit = fit_elasticity(results)
+    Only the trials every policy has a speed for are kept. ``fit``: :func:`fit_elasticity` of
+    ``results`` where the caller has it."""
+    fit = fit if fit is not None else fit_elasticity(results)
     if fit is None or not fit.usable:
         return None
     beta = fit.beta
@@ -173,9 +175,10 @@ class AdjustedRun:
     saving: dict
 
 
-def adjusted_run(results: Sequence[PolicyResult]) -> Optional[AdjustedRun]:
+def adjusted_run(results: Sequence[PolicyResult],
+                 fit: Optional[ElasticityFit] = None) -> Optional[AdjustedRun]:
     """:func:`adjusted` and its saving; ``None`` when :func:`fit_beta` has no usable fit."""
-    adj = adjusted(results)
+    adj = adjusted(results, fit)
     return None if adj is None else AdjustedRun(adj, saving_ratios(adj))
 
 
