@@ -139,7 +139,7 @@ class Engine(EngineLoop):
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0,
                          "hints_rejected": 0, "hints_accepted": 0, "steps": 0, "decode_steps": 0,
-                         "step_failures": 0,
+                         "step_failures": 0, "cache_resets": 0,
                          # wall seconds inside the model's forwards (engine thread): what the
                          # process's speed does to every policy alike; the benches pair trials by
                          # it. On CUDA only the launches (the forward is asynchronous there)

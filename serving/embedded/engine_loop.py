@@ -29,7 +29,9 @@ readiness, admission, prefill, sampling) runs under :meth:`EngineLoop._guard`: a
 fails that request alone (finish reason ``error``, pages and pins released); a batched decode
 or sampling call that raises is retried one sequence at a time, so only the sequence that
 fails is failed; ``_run`` catches everything else, and fails the running requests only when
-the step keeps failing.
+the step keeps failing. The exception to "one request never fails another": a copy that fails
+on the pool's copy thread (``--copy-thread``) leaves KV nobody can trust; the next step fails
+every request and empties the cache (:meth:`EngineLoop._reset_cache`).
 
 Deterministic mode (``EngineConfig.deterministic``): batch-invariant decode kernels
 (``LlamaModel.decode_batch(invariant_rows=max_batch)``), prefill chunks that end at multiples of
@@ -176,6 +178,8 @@ class EngineLoop:
     def _step_once(self) -> bool:
         sched, mgr = self.scheduler, self.manager
         self.counters["steps"] += 1
+        if self.pool.copy_failure is not None:
+            self._reset_cache()
         progress = False
         # bounded (max_batch deep): polled requests pin their prefix; demand loads go on the
         # link before this step's prefetches, except a passed-over request's (skip scope)
@@ -210,6 +214,19 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - attributed to this request
             self._fail(req, what, e)
             return None
+
+    def _reset_cache(self) -> None:
+        """After a copy failed on the pool's copy thread (``kv_pool``): no KV either tier holds
+        can be trusted, and no forward ran since (``wait_copies`` raises). Fail every request
+        the engine holds (each may hold or await such KV), then drop every cached prefix
+        without copying any of it to host; the engine serves on from an empty cache."""
+        exc = self.pool.take_copy_failure()
+        self.counters["cache_resets"] += 1
+        log.error("a KV copy failed: failing %d requests and resetting the cache",
+                  len(self._requests), exc_info=exc)
+        for req in list(self._requests.values()):
+            self._fail(req, "KV copy", exc)
+        self.manager.discard_all()
 
     def _ready_guarded(self, req: Request) -> bool:
         return bool(self._guard(req, "readiness check", self._is_ready, req))

@@ -31,6 +31,12 @@ Page ids are handed out by the policy's allocators; this class never allocates.
   What is left to the caller: before a forward reads or writes pages, ``wait_copies(those
   pages)`` (CUDA: a GPU-side wait for loads into them; CPU: blocks until no queued copy
   writes or reads them, normally long since); ``is_ready`` polls.
+- A copy that fails on the copy thread has already been promised (the policy freed a backup's
+  device pages and may load its host pages; a load's node may already be read): from then on
+  no KV in either tier can be trusted, so ``copy_failure`` holds the error, every
+  ``wait_copies`` raises :class:`KVCopyFailed` (no forward reads KV after it) until the owner
+  calls ``take_copy_failure()`` and drops what the cache held (the engine: ``_reset_cache``).
+  Inline copies fail their caller instead, who knows which pages they were.
   With ``host_link_gbps`` the returned time is virtual: ``max(now, link free) + bytes / (X*1e9)``,
   i.e. X is in gigaBYTES per second and loads queue on one emulated link; the pages are declared
   usable only then. Without it the returned time is ``now()`` on CPU and an estimate on CUDA.
@@ -51,6 +57,10 @@ from .model.config import LlamaConfig
 from .model.llama import resolve_device
 
 log = logging.getLogger(__name__)
+
+
+class KVCopyFailed(RuntimeError):
+    """A copy on the copy thread failed: the KV in the pool cannot be trusted until reset."""
 
 
 class PagedKVPool:
@@ -86,6 +96,7 @@ class PagedKVPool:
         self.stats = {"backup_pages": 0, "load_pages": 0, "backup_s": 0.0, "load_s": 0.0,
                       "copies_run_by_waiter": 0}
         self._stats_lock = threading.Lock()
+        self.copy_failure: BaseException | None = None  # the copy thread's first failed copy
 
     @property
     def copy_mode(self) -> str:
@@ -200,8 +211,10 @@ class PagedKVPool:
         t0 = time.perf_counter()
         try:
             _copy_pages(dst, dst_pages, src, src_pages)
-        except Exception:  # ids were checked: only a broken tensor gets here
+        except Exception as e:  # ids were checked: only a broken tensor gets here
             log.exception("KV %s of %d pages failed", kind, len(dst_pages))
+            if self.copy_thread and self.copy_failure is None:
+                self.copy_failure = e  # promised already: nothing in the pool is trusted now
             raise
         with self._stats_lock:  # (the copy thread and a waiter may both be copying)
             self.stats[f"{kind}_s"] += time.perf_counter() - t0
@@ -240,8 +253,10 @@ class PagedKVPool:
         """The copies touching ``device_pages`` (all if None) happen before what follows, so a
         forward may read and write them: on CUDA the current stream waits for the loads into
         them (no CPU block); on CPU this thread blocks until the loads into them and the
-        backups out of them are done. A no-op when nothing is in flight."""
+        backups out of them are done. A no-op when nothing is in flight. After a copy thread's
+        copy failed: :class:`KVCopyFailed` until ``take_copy_failure``."""
         if not self._pending:
+            self._raise_if_failed()
             return
         want = None if device_pages is None else set(device_pages)
         if self._cuda:
@@ -255,6 +270,25 @@ class PagedKVPool:
                     if not self._run_by_waiter(c):
                         c.done.result()  # a copy that failed raises here, on the reader's thread
         self._prune()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self.copy_failure is not None:
+            raise KVCopyFailed("a KV copy failed on the copy thread; the cache must be reset") \
+                from self.copy_failure
+
+    def take_copy_failure(self) -> BaseException | None:
+        """The copy thread's first failed copy (None if none), after every copy still queued
+        has run (their errors are logged, not raised); later waits no longer raise. The caller
+        drops everything the cache held: a failed backup left host pages it promised
+        unwritten, a failed load device pages a node may be read from."""
+        exc = self.copy_failure
+        if exc is None:
+            return None
+        pending, self._pending = self._pending, []
+        concurrent.futures.wait([c.done for c in pending])
+        self.copy_failure = None
+        return exc
 
     def _run_by_waiter(self, c: "_Copy") -> bool:
         """Run the queued CPU copy ``c`` on this thread now, if that cannot change what any copy

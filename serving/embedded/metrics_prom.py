@@ -18,7 +18,8 @@ scrape never waits for a model step. Names (all prefixed ``kvflow_``):
   not allocated yet), ``device_hit_rate``;
 - ``requests_total``, ``requests_finished_total{reason}``, ``tokens_total{kind}``,
   ``hints_total{result=accepted|rejected}``, ``engine_step_failures_total`` (failures no single
-  request caused; request-caused ones finish that request with reason ``error``);
+  request caused; request-caused ones finish that request with reason ``error``),
+  ``kv_cache_resets_total`` (a copy failed on the copy thread: requests failed, cache dropped);
   ``engine_steps_total{kind=all|decode}``, ``model_forward_seconds_total{phase=prefill|decode}``
   (the model's share of the engine thread; per decode step, how fast this process runs);
 - the hint registry's bounded state: ``hint_workflows{state=live|expired}``, ``hint_agents``,
@@ -121,6 +122,8 @@ class EngineCollector:
                     m["device_hit_rate"])
         yield counter("engine_step_failures", "Engine steps that failed for no single request.",
                       c.get("step_failures", 0))
+        yield counter("kv_cache_resets", "Cache resets after a KV copy failed on the copy thread "
+                      "(every request held then failed).", c.get("cache_resets", 0))
         yield counter("engine_steps", "Engine steps, and those that ran a batched decode.",
                       labels=["kind"], samples=[(["all"], c.get("steps", 0)),
                                                 (["decode"], c.get("decode_steps", 0))])

@@ -126,10 +126,11 @@ class Evictor:
 
     # ------------------------------------------------------------------ device
     def _evict_device(self, need: int, reason: str, above: float | None = None,
-                      partial: bool | None = None) -> int:
+                      partial: bool | None = None, write_through: bool = True) -> int:
         """Free >= ``need`` device pages (best effort). With ``above``, only nodes whose
         priority is strictly larger than ``above`` may go (prefetch: no thrash). ``partial``
-        overrides ``partial_eviction`` (split the last victim, its head stays)."""
+        overrides ``partial_eviction`` (split the last victim, its head stays); without
+        ``write_through`` no victim is copied to host (its KV is not to be kept)."""
         split = self.partial_eviction if partial is None else partial
         freed = 0
         index = self.index
@@ -147,7 +148,7 @@ class Evictor:
                 if split and len(n.device_pages) > rest:
                     # Evict only the tail that is needed; the head stays a usable prefix.
                     self.tree.split(n, (len(n.device_pages) - rest) * self.page_size)
-                freed += self._evict_device_node(n, prio, reason)
+                freed += self._evict_device_node(n, prio, reason, write_through)
         finally:
             self.evict_floor = None
             self._flush_backups()
@@ -166,6 +167,7 @@ class Evictor:
                                         [p for _, _, host in batch for p in host])
         except Exception:  # the host pages hold no copy: no request may find one there
             for n, _, host in batch:
+                self.metrics.backup_pages -= len(host)  # (counted when queued)
                 if not n.detached and n.host_pages is host and n.device_pages is None:
                     self.metrics.dropped_pages += len(host)
                     parent = n.parent
@@ -173,13 +175,15 @@ class Evictor:
                     self._reindex(parent)
             raise
 
-    def _evict_device_node(self, n: TreeNode, prio: float, reason: str) -> int:
+    def _evict_device_node(self, n: TreeNode, prio: float, reason: str,
+                           write_through: bool = True) -> int:
         if self.on_evict is not None:
             self.on_evict(n, "device", prio, reason)
         pages = n.device_pages
         k = len(pages)
         pol = self.policy
-        if n.host_pages is None and pol.host_tier and pol.should_backup(prio, self.index.tags_below(n)):
+        if (write_through and n.host_pages is None and pol.host_tier
+                and pol.should_backup(prio, self.index.tags_below(n))):
             hp = self._alloc_host(k, prio)
             if hp is not None and not n.detached:
                 n.set_state(OFFLOADING)
@@ -222,10 +226,12 @@ class Evictor:
             p = p.parent
         return False
 
-    def flush(self) -> tuple[int, int]:
+    def flush(self, *, write_through: bool = True) -> tuple[int, int]:
         """Drop every unlocked cached prefix, device then host, as SGLang's ``/flush_cache``.
-        Returns ``(device_pages, host_pages)`` freed; locked nodes and loads in flight stay."""
-        dev = self._evict_device(self.device.num_used, "flush")
+        Returns ``(device_pages, host_pages)`` freed; locked nodes and loads in flight stay.
+        ``write_through=False``: no device victim is first copied to host (the engine's reset
+        after a failed copy: no KV it holds may be read again)."""
+        dev = self._evict_device(self.device.num_used, "flush", write_through=write_through)
         host = self._evict_host(self.host.num_used, float("-inf")) if self.host.capacity else 0
         return dev, host
 

@@ -346,6 +346,13 @@ class KVCacheManager:
         """Drop every unlocked cached prefix (device, then host): ``(device, host)`` pages."""
         return self.store.flush()
 
+    def discard_all(self) -> tuple[int, int]:
+        """Forget every unlocked prefix, copying none of it to host: the engine's KV bytes can
+        no longer be trusted (a copy failed). Loads in flight land first (their bytes were
+        copied; the emulated link's time no longer matters), so they go too."""
+        self.store.poll_loads(float("inf"))
+        return self.store.flush(write_through=False)
+
     def residency(self, node: TreeNode | None) -> str:
         return self.store.residency(node)
 

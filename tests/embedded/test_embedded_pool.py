@@ -279,6 +279,51 @@ def test_a_waited_copy_that_touches_no_other_copys_pages_runs_at_once(tiny16):
     pool.close()
 
 
+def test_a_failed_copy_on_the_copy_thread_stops_every_forward_until_taken(tiny16, monkeypatch):
+    """A backup that fails on the copy thread was promised when it was queued (the policy freed
+    its device pages and may load its host pages), so after it no wait lets a forward go on,
+    whatever pages it asks for, until the owner takes the failure (and drops the cache).
+    Inline, the failure raises to the caller, who knows which pages it was."""
+    from kvflow_agents.serving.embedded import kv_pool
+
+    _, _, cfg = tiny16
+    copy = kv_pool._copy_pages
+    armed = [True]
+
+    def failing_backup(dst, dst_pages, src, src_pages):
+        if armed[0] and dst.tensor is pool.host_kv:
+            armed[0] = False
+            raise RuntimeError("injected")
+        copy(dst, dst_pages, src, src_pages)
+
+    monkeypatch.setattr(kv_pool, "_copy_pages", failing_backup)
+    pool = make_pool(cfg, device_pages=8, host_pages=8, copy_thread=True)
+    pool.backup_to_host([1], [2])               # returns at once; fails on the copy thread
+    pool.start_load([3], [4])                   # queued behind it (a load of another prefix)
+    deadline = time.monotonic() + 5
+    while pool.copy_failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(kv_pool.KVCopyFailed):
+        pool.wait_copies([6])                   # pages no copy touches: still no forward
+    with pytest.raises(kv_pool.KVCopyFailed):
+        pool.wait_copies([4])
+    exc = pool.take_copy_failure()
+    assert isinstance(exc, RuntimeError) and str(exc) == "injected"
+    assert pool.is_ready() and pool.take_copy_failure() is None
+    pool.wait_copies([1, 4])                    # the owner has reset: forwards go on
+    pool.backup_to_host([1], [2])
+    pool.wait_copies([1])
+    assert pool.copy_failure is None
+    pool.close()
+
+    armed[0] = True
+    pool = make_pool(cfg, device_pages=8, host_pages=8, copy_thread=False)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.backup_to_host([1], [2])
+    assert pool.copy_failure is None            # its caller got it; the pool stays usable
+    pool.wait_copies([1])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_stream_load_roundtrip(tiny16):
     from kvflow_agents.serving.embedded.model import load_model

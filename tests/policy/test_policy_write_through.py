@@ -154,13 +154,49 @@ def test_a_write_through_that_fails_leaves_no_host_copy_to_find(policy):
     assert serve_writing(m, backend, first, len(first), "a")
     clock.t += 1.0
     backend.fail = 1
+    backed_up = m.metrics.backup_pages
     with pytest.raises(RuntimeError, match="host tier gone"):
         m.allocate(len(second))                           # evicts part of the first prompt
     m.check_invariants()
     pm = m.match(first, record=False)
     assert not pm.needs_load and pm.cached_len == len(pm.device_pages) < len(first)
     assert m.metrics.dropped_pages == len(first) - pm.cached_len
+    assert m.metrics.backup_pages == backed_up            # none of them was written
     for tokens, agent in ((second, "b"), (first, "a"), (second, "b"), (first, "a")):
         clock.t += 1.0                                    # each checks the KV it reads
         assert serve_writing(m, backend, tokens, len(tokens), agent)
     assert m.metrics.hit_tokens_host > 0                  # write-through works again
+
+
+class SlowLink(ShadowBackend):
+    """Loads land 5 s after they start (an emulated link)."""
+
+    def start_load(self, host_pages, device_pages) -> float:
+        return super().start_load(host_pages, device_pages) + 5.0
+
+
+@pytest.mark.parametrize("policy", ["hicache", "kvflow"])
+def test_discard_all_forgets_every_prefix_without_copying_one(policy):
+    """What the engine does when its KV bytes can no longer be trusted (a copy failed on its
+    copy thread): every prefix goes, device, host and loading alike, and none is written
+    through to host on its way out (the copy would carry the bad bytes)."""
+    clock = VirtualClock()
+    backend = SlowLink(clock)
+    m = KVCacheManager(policy, page_size=1, device_pages=24, host_pages=64, backend=backend)
+    m.clock = clock
+    first, second = list(range(100, 116)), list(range(200, 216))
+    for tokens, agent in ((first, "a"), (second, "b")):    # the second evicts the first to host
+        clock.t += 1.0
+        assert serve_writing(m, backend, tokens, len(tokens), agent)
+    pm = m.match(first)
+    m.load_on_demand(pm)                                  # lands at t + 5: in flight
+    assert m.match(first, record=False).loading
+    calls = backend.backup_calls
+    m.discard_all()
+    m.check_invariants()
+    assert backend.backup_calls == calls
+    assert m.device.num_used == 0 and m.host.num_used == 0
+    for tokens in (first, second):
+        assert m.match(tokens, record=False).cached_len == 0
+    clock.t += 1.0
+    assert serve_writing(m, backend, first, len(first), "a")   # serves on from an empty cache

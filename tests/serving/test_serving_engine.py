@@ -112,6 +112,55 @@ def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model,
         torch.set_num_threads(before)
 
 
+def test_a_backup_that_fails_on_the_copy_thread_resets_the_cache(tiny_model, monkeypatch):
+    """A copy thread's backup returns before it copies, so when it fails the policy has
+    already freed the victim's device pages and keeps its prompt on host pages that were never
+    written. The engine fails what it holds and empties the cache at its next step: every
+    later call writes the oracle's greedy tokens (recomputed or from copies made since), none
+    reads the unwritten host pages. (Before, the prompt stayed "on host" and a later call
+    loaded those pages as its KV.)"""
+    from kvflow_agents.serving.embedded import kv_pool
+
+    copy = kv_pool._copy_pages
+    armed, pools = [False], []
+
+    def failing_backup(dst, dst_pages, src, src_pages):
+        if armed[0] and dst.tensor is pools[-1].host_kv:
+            armed[0] = False
+            raise RuntimeError("injected backup failure")
+        copy(dst, dst_pages, src, src_pages)
+
+    monkeypatch.setattr(kv_pool, "_copy_pages", failing_backup)
+    outs, stats = {}, {}
+    for policy in ("kvflow", "oracle"):
+        with Engine(loaded=tiny_model, model="tiny-random", policy=policy, device_tokens=512,
+                    host_tokens=4096, deterministic=True, deterministic_chunk=64,
+                    copy_thread=True) as eng:
+            pools.append(eng.pool)
+            got = []
+            for step in range(16):
+                armed[0] = armed[0] or (policy == "kvflow" and step == 4)  # the next backup
+                a = AGENTS[step % len(AGENTS)]
+                h = Hints(workflow="w", agent=a, step=step, ste=cycle_ste(a), fixed_messages=1)
+                msgs = [{"role": "system", "content": system_prompt(a)},
+                        {"role": "user", "content": f"call {step}"}]
+                out = eng.chat(msgs, hints=h, max_tokens=6, temperature=0, ignore_eos=True,
+                               timeout=60)
+                got.append(None if out.finish_reason == "error" else out.token_ids)
+            stats[policy] = eng.call(lambda e: (not armed[0], e.counters["cache_resets"],
+                                                e.pool.stats["load_pages"],
+                                                e.manager.metrics.backup_pages))
+            eng.call(lambda e: e.manager.check_invariants())
+        outs[policy] = got
+    fired, resets, loads, backups = stats["kvflow"]
+    assert fired and resets == 1 and loads > 0 and backups > 0  # it failed, once, mid-run
+    failed = [i for i, t in enumerate(outs["kvflow"]) if t is None]
+    assert 1 <= len(failed) <= 2 and failed[0] >= 4     # the call(s) in flight at the reset
+    assert None not in outs["oracle"]
+    assert all(k == o for k, o in zip(outs["kvflow"], outs["oracle"]) if k is not None)
+    assert outs["kvflow"][failed[-1] + 1:] == outs["oracle"][failed[-1] + 1:]
+
+
 @pytest.mark.parametrize("policy", ["lru", "hicache", "kvflow", "oracle", "oracle-pool"])
 def test_no_page_leaks_under_concurrent_mixed_load(tiny_model, policy):
     """Many concurrent agent requests in a pool that holds ~3 prefixes: everything finishes, the
