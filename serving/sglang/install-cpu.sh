@@ -51,7 +51,9 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install -q -c "$CONSTRAINTS" "torch==2.13.0" $TORCH_PIP_ARGS
 "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-deps "sglang==0.5.23"
 "${PIP[@]}" install -q -c "$CONSTRAINTS" "${SGLANG_CPU_DEPS[@]}" "${CORE_DEPS[@]}"
-"${PIP[@]}" install -q --no-deps -e "$ROOT"
+# (flock: the main venv's editable install, possibly running beside this one, writes the same
+# egg-info into the checkout)
+flock "$ROOT/.editable-install.lock" "${PIP[@]}" install -q --no-deps -e "$ROOT"
 
 # The torchvision import shim, active in every interpreter of this venv (also SGLang's spawned
 # scheduler processes): a .pth line runs at site initialisation.
