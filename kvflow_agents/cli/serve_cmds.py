@@ -107,6 +107,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             "what else is batched (costs throughput; see README 'Reliability')."),
         lease_s: float = typer.Option(60.0, help="Seconds a quiet workflow's hints stay in force."),
         log_level: str = typer.Option("info", help="debug | info | warning | error."),
+        loop: str = typer.Option(
+            "auto", help="The HTTP side's event loop, as uvicorn's --loop: auto (uvloop when "
+                         "installed), asyncio or uvloop. The two measured alike here: the "
+                         "engine thread waits for the HTTP side's Python either way "
+                         "(bench/RESULTS.md 6.36)."),
         record: Optional[str] = typer.Option(None, help="Append one JSON line per finished request "
                                              "to this file (the trace format `kvflow sim replay` reads)."),
     ) -> None:
@@ -194,6 +199,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             cfg.validate()
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
+        loop = _event_loop(loop)
         t0 = time.perf_counter()
         eng = Engine(cfg)
         url = f"http://{host}:{port}/v1"
@@ -203,7 +209,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         typer.echo(f"  KV pools: device {device_tokens} tokens, host "
                    f"{host_tokens if eng.policy.host_tier else 0} tokens, page {page_size}; "
                    f"host link: {link}; KV copies {eng.pool.copy_mode}; lookahead {lookahead}; "
-                   f"max batch {max_batch}; "
+                   f"max batch {max_batch}; event loop {loop}; "
                    f"admission {eng.manager.admission.order}"
                    + (f" (status-aware, skip scope {eng.scheduler.skip_scope})"
                       if eng.scheduler.status_aware else "") + "; eviction "
@@ -217,6 +223,20 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         try:
             app = create_app(eng, tenancy, limits=limits, model_aliases=served_model_name or ())
             uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=5,
-                        http=guarded_h11_protocol(limits))
+                        http=guarded_h11_protocol(limits), loop=loop)
         finally:
             eng.shutdown()
+
+
+def _event_loop(loop: str) -> str:
+    """``--loop`` resolved as uvicorn's ``auto`` would (uvloop when installed); uvloop asked
+    for where it is not installed is a bad flag, not a traceback at startup."""
+    import importlib.util
+
+    if loop not in ("auto", "asyncio", "uvloop"):
+        raise typer.BadParameter(f"{loop!r}: use auto, asyncio or uvloop", param_hint="--loop")
+    installed = importlib.util.find_spec("uvloop") is not None
+    if loop == "uvloop" and not installed:
+        raise typer.BadParameter("uvloop is not installed (pip install uvloop, or --loop asyncio)",
+                                 param_hint="--loop")
+    return "uvloop" if loop == "uvloop" or (loop == "auto" and installed) else "asyncio"

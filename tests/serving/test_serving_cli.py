@@ -64,6 +64,32 @@ def test_serve_copy_thread_flag_reaches_the_pool(monkeypatch, flags, threaded):
     assert f"KV copies {'copy thread' if threaded else 'inline'};" in r.output  # the startup summary says which
 
 
+@pytest.mark.parametrize("flags, installed, want", [
+    ([], True, "uvloop"), ([], False, "asyncio"), (["--loop", "asyncio"], True, "asyncio"),
+    (["--loop", "uvloop"], True, "uvloop"), (["--loop", "uvloop"], False, None),
+    (["--loop", "trio"], True, None)])
+def test_serve_loop_flag_picks_the_event_loop_as_uvicorn_would(monkeypatch, flags, installed, want):
+    """``--loop`` is uvicorn's: auto takes uvloop where it is installed; uvloop asked for where
+    it is not, or an unknown loop, is a bad flag (exit 2, what is wrong), not a traceback."""
+    import importlib.util
+
+    import uvicorn
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (object() if installed else None) if name == "uvloop" else real_find_spec(name, *a)))
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags,
+                           env={"COLUMNS": "200"})
+    if want is None:
+        assert r.exit_code == 2 and "--loop" in r.output and not seen
+        assert ("not installed" in r.output) if "uvloop" in flags else "'trio'" in r.output
+        return
+    assert r.exit_code == 0, r.output
+    assert seen["loop"] == want and f"event loop {want};" in r.output
+
+
 @pytest.mark.parametrize("policy, flags, aware, scope", [
     ("kvflow", [], True, KVFlowPolicy.skip_scope), ("hicache", [], False, "all"),
     ("kvflow", ["--no-status-aware"], False, KVFlowPolicy.skip_scope),
