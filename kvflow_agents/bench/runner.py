@@ -59,6 +59,9 @@ class ServerConfig:
     # column label -> (policy, its own extra serve options): one policy served twice, e.g. with
     # and without an engine setting, measured side by side (``bench workflow --policy-variant``)
     variants: Mapping[str, tuple] = field(default_factory=dict)
+    # column label -> the command that starts its ``kvflow serve`` (default: this interpreter's):
+    # another checkout's venv served beside this one (``bench workflow|peer --other-python``)
+    commands: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
     def args(self, policy: str) -> list[str]:
         policy, own = self.variants.get(policy, (policy, ()))
@@ -70,10 +73,11 @@ class ServerConfig:
 
     # Another engine's config (bench/sglang_engine.py) overrides these three.
     def make_server(self, policy: str) -> BenchServer:
-        return BenchServer(self.args(policy), timeout_s=self.startup_timeout_s)
+        return BenchServer(self.args(policy), timeout_s=self.startup_timeout_s,
+                           command=self.commands.get(policy))
 
     def display_argv(self, policy: str) -> list[str]:
-        return ["kvflow", "serve", *self.args(policy)]
+        return [*self.commands.get(policy, ("kvflow", "serve")), *self.args(policy)]
 
     request_extra: Optional[dict] = None   # added to every request body
 

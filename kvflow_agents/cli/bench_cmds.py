@@ -136,6 +136,11 @@ _VARIANT_HELP = ("LABEL=POLICY [--serve-option ...]: one more server, running PO
                  "e.g. 'kvflow-partial=kvflow --partial-eviction').")
 
 
+_OTHER_PYTHON_HELP = ("Serve every column a second time with this Python (another checkout's "
+                      "venv) as column other-LABEL, beside this checkout's in the same run "
+                      "(trials interleaved): two versions of the code side by side.")
+
+
 def _server_threads(requested: Optional[int]) -> Optional[int]:
     """``--server-threads``: None = one core fewer than the machine's, 0 = torch's default."""
     from kvflow_agents.bench.server import client_core_threads
@@ -212,11 +217,36 @@ def _policy_variants(texts: Optional[List[str]], pols: list) -> tuple[list, dict
     return cols, variants
 
 
+def _other_checkout(python: Optional[str], cols: list, variants: dict) -> tuple[list, dict, dict]:
+    """``--other-python PY`` -> (columns, variants, commands): every column twice, the twin
+    ``other-LABEL`` (same policy and options) served by ``PY -P -m kvflow_agents.cli.main serve``
+    right after it. ``-P``: the working directory (maybe this checkout) does not shadow the
+    other venv's package."""
+    import os
+
+    if not python:
+        return cols, variants, {}
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise typer.BadParameter(f"{python!r} is not an executable Python", param_hint="--other-python")
+    command = [python, "-P", "-m", "kvflow_agents.cli.main", "serve"]
+    out, twins, commands = [], dict(variants), {}
+    for c in cols:
+        label = f"other-{c}"
+        if label in variants:
+            raise typer.BadParameter(f"a --policy-variant is already named {label!r}",
+                                     param_hint="--other-python")
+        twins[label] = variants.get(c, (c, ()))
+        commands[label] = command
+        out += [c, label]
+    return out, twins, commands
+
+
 def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[int], device_fraction: float,
                   host_tokens: Optional[int], page_size: int, host_link_gbps: Optional[float],
                   load_fraction: float, lookahead: int, max_batch: int, console, meta: dict, regime=None,
                   fixed_total: Optional[int] = None, calib_fixed: Optional[int] = None,
-                  torch_threads: Optional[int] = None, extra_args: tuple = (), variants=None):
+                  torch_threads: Optional[int] = None, extra_args: tuple = (), variants=None,
+                  commands=None):
     """The servers' pools and link for a synthetic workload (``meta`` gets them): device pool
     ``device_fraction`` of the fixed prompts (at least one request), host 2x the working set,
     link calibrated so a load costs ``load_fraction`` of a recompute."""
@@ -257,10 +287,11 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
                       "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
                       "max_batch": max_batch, "device_fraction_of_fixed": dev / fixed_total,
                       "torch_threads": torch_threads, "extra_args": list(extra_args),
-                      "variants": _variants_json(variants)}
+                      "variants": _variants_json(variants), "commands": dict(commands or {})}
     return ServerConfig(model=model, device_tokens=dev, host_tokens=host, page_size=page_size,
                         host_link_gbps=link, lookahead=lookahead, max_batch=max_batch,
-                        torch_threads=torch_threads, extra_args=extra_args, variants=variants)
+                        torch_threads=torch_threads, extra_args=extra_args, variants=variants,
+                        commands=commands or {})
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -331,6 +362,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         server_threads: Optional[int] = typer.Option(None, min=0, help=_SERVER_THREADS_HELP),
         server_flag: Optional[List[str]] = typer.Option(None, help=_SERVER_FLAG_HELP),
         policy_variant: Optional[List[str]] = typer.Option(None, help=_VARIANT_HELP),
+        other_python: Optional[str] = typer.Option(None, help=_OTHER_PYTHON_HELP),
         base_url: Optional[str] = typer.Option(None, help="Measure this running server (…/v1) instead."),
         served_model: Optional[str] = typer.Option(None, help="Model name sent with --base-url."),
         api_key: Optional[str] = typer.Option(None, envvar="KVFLOW_API_KEY", help="API key for the server(s)."),
@@ -380,6 +412,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         threads = _server_threads(server_threads)
         extra_args = _server_flags(server_flag)
         pols, variants = _policy_variants(policy_variant, pols)
+        pols, variants, commands = _other_checkout(other_python, pols, variants)
         console = Console(stderr=json_out == "-")
         regime = None
         if preset is not None:
@@ -424,7 +457,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         if regime is not None:
             meta["preset"] = {"name": "paper", "target": target, "calibration": regime.as_dict()}
         server = None
-        for given, hint in ((extra_args, "--server-flag"), (variants, "--policy-variant")):
+        for given, hint in ((extra_args, "--server-flag"), (commands, "--other-python"),
+                            (variants, "--policy-variant")):
             if given and (base_url or engine == "sglang"):
                 raise typer.BadParameter("passes options to the embedded servers this command starts; "
                                          "not with --base-url or --engine sglang", param_hint=hint)
@@ -452,7 +486,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=lookahead, max_batch=max_batch,
                                    console=console, meta=meta, regime=regime,
-                                   torch_threads=threads, extra_args=extra_args, variants=variants)
+                                   torch_threads=threads, extra_args=extra_args, variants=variants,
+                                   commands=commands)
         meta["command"] = command_line("workflow")
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"

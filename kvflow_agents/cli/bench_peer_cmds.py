@@ -10,9 +10,11 @@ import typer
 from .bench_cmds import (
     _DEFAULT_POLICIES,
     _HINTS_HELP,
+    _OTHER_PYTHON_HELP,
     _SERVER_FLAG_HELP,
     _VARIANT_HELP,
     _hint_mode,
+    _other_checkout,
     _policies,
     _policy_variants,
     _round_page,
@@ -57,6 +59,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         hints: str = typer.Option("on", help=_HINTS_HELP),
         hint_lag: int = typer.Option(2, min=1, help="--hints stale: STE map from this many requests earlier."),
         policy_variant: Optional[List[str]] = typer.Option(None, help=_VARIANT_HELP),
+        other_python: Optional[str] = typer.Option(None, help=_OTHER_PYTHON_HELP),
         server_flag: Optional[List[str]] = typer.Option(None, help=_SERVER_FLAG_HELP),
         next_run: bool = typer.Option(True, help="The app's hints name the next question's planner while "
                                       "the reviewer runs (kvflow.instrument(next_run=True)): questions come "
@@ -85,8 +88,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter("must be in (0, 10]", param_hint="--load-fraction")
         _hint_mode(hints)
         pols, variants = _policy_variants(policy_variant, _policies(policies))
+        pols, variants, commands = _other_checkout(other_python, pols, variants)
         extra_args = _server_flags(server_flag)
-        for given, hint in ((extra_args, "--server-flag"), (variants, "--policy-variant")):
+        for given, hint in ((extra_args, "--server-flag"), (commands, "--other-python"),
+                            (variants, "--policy-variant")):
             if given and base_url:
                 raise typer.BadParameter("passes options to the embedded servers this command starts; "
                                          "not with --base-url", param_hint=hint)
@@ -138,11 +143,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                           + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
             server = ServerConfig(model=model, device_tokens=dev, host_tokens=host_tokens,
                                   page_size=page_size, host_link_gbps=link, lookahead=lookahead,
-                                  extra_args=extra_args, variants=variants)
+                                  extra_args=extra_args, variants=variants, commands=commands)
             meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host_tokens,
                               "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
                               "extra_args": list(extra_args), "fixed_prompt_tokens": fixed_toks,
-                              "variants": _variants_json(variants)}
+                              "variants": _variants_json(variants), "commands": commands}
         meta["command"] = command_line("peer")
         title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "
                  f"{model}, max_tokens {max_tokens}" + ("" if hints == "on" else f", hints: {hints}"))

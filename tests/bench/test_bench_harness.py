@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import random
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -372,3 +373,33 @@ def test_fresh_servers_start_each_trial_on_new_processes(server_set_pids):
         assert [t for t, _ in w["decode_step_trials_s"]] == [0, 1]
         assert all(0 < v < 1 for _, v in w["decode_step_trials_s"])
         assert res.startup_s > 0 and res.serve_argv[:2] == ["kvflow", "serve"]
+
+
+def test_other_python_serves_every_column_twice(tmp_path):
+    """``--other-python PY``: each column also runs as ``other-LABEL`` on servers started by
+    that interpreter (another checkout's venv; here this one's), right after its own column,
+    with the same policy and options; the JSON records the command. A missing interpreter or
+    a running server to measure is a bad flag."""
+    out = tmp_path / "ab.json"
+    env = {"COLUMNS": "200"}
+    r = CliRunner().invoke(app, [
+        "bench", "workflow", "--agents", "3", "--fixed", "128", "--dynamic", "16", "--output", "4",
+        "--rounds", "1", "--trials", "1", "--policies", "lru", "--model", "tiny-random",
+        "--device-tokens", "1024", "--host-link-gbps", "1", "--json", str(out), "--no-progress",
+        "--policy-variant", "lru-part=lru --partial-eviction", "--other-python", sys.executable], env=env)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert list(doc["policies"]) == ["lru", "other-lru", "lru-part", "other-lru-part"]
+    twin = [sys.executable, "-P", "-m", "kvflow_agents.cli.main", "serve"]
+    assert doc["server"]["commands"] == {"other-lru": twin, "other-lru-part": twin}
+    for name, p in doc["policies"].items():
+        assert p["workload"]["calls"] == 3 and p["workload"]["errors"] == 0, name
+        argv = p["serve_argv"]
+        assert argv[:5] == (twin if name.startswith("other-") else ["kvflow", "serve"] + argv[2:5])
+        assert argv[argv.index("--policy") + 1] == "lru"
+        assert ("--partial-eviction" in argv) == name.endswith("-part")
+    for flags, why in ((["--other-python", str(tmp_path / "nope")], "not an executable"),
+                       (["--other-python", sys.executable, "--base-url", "http://127.0.0.1:9/v1"],
+                        "--base-url")):
+        r = CliRunner().invoke(app, ["bench", "workflow", *flags], env=env)
+        assert r.exit_code == 2 and "--other-python" in r.output and why in r.output, r.output
