@@ -306,13 +306,20 @@ class PagedKVPool:
         return True
 
     def synchronize(self) -> None:
-        """Block the CPU until every copy has finished."""
+        """Block the CPU until every copy has finished; then raise the first failed one's error
+        (every copy is waited for first: none is left running untracked)."""
         pending, self._pending = self._pending, []
+        failed: BaseException | None = None
         for c in pending:
             if self._cuda:
                 c.done.synchronize()
-            else:
+                continue
+            try:
                 c.done.result()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the rest
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     def _prune(self) -> None:
         if self._cuda:

@@ -314,6 +314,14 @@ def test_a_failed_copy_on_the_copy_thread_stops_every_forward_until_taken(tiny16
     pool.backup_to_host([1], [2])
     pool.wait_copies([1])
     assert pool.copy_failure is None
+    armed[0] = True                             # synchronize waits for every copy, then raises
+    pool.host_kv[:, :, 5] = 7.0
+    pool.backup_to_host([1], [2])
+    pool.start_load([5], [6])
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.synchronize()
+    assert torch.all(pool.device_kv[:, :, 6] == 7.0) and pool.is_ready()
+    assert isinstance(pool.take_copy_failure(), RuntimeError)
     pool.close()
 
     armed[0] = True
