@@ -31,15 +31,15 @@ Page ids are handed out by the policy's allocators; this class never allocates.
   What is left to the caller: before a forward reads or writes pages, ``wait_copies(those
   pages)`` (CUDA: a GPU-side wait for loads into them; CPU: blocks until no queued copy
   writes or reads them, normally long since); ``is_ready`` polls.
+  With ``host_link_gbps`` the returned time is virtual: ``max(now, link free) + bytes / (X*1e9)``,
+  i.e. X is in gigaBYTES per second and loads queue on one emulated link; the pages are declared
+  usable only then. Without it the returned time is ``now()`` on CPU and an estimate on CUDA.
 - A copy that fails on the copy thread has already been promised (the policy freed a backup's
   device pages and may load its host pages; a load's node may already be read): from then on
   no KV in either tier can be trusted, so ``copy_failure`` holds the error, every
   ``wait_copies`` raises :class:`KVCopyFailed` (no forward reads KV after it) until the owner
   calls ``take_copy_failure()`` and drops what the cache held (the engine: ``_reset_cache``).
   Inline copies fail their caller instead, who knows which pages they were.
-  With ``host_link_gbps`` the returned time is virtual: ``max(now, link free) + bytes / (X*1e9)``,
-  i.e. X is in gigaBYTES per second and loads queue on one emulated link; the pages are declared
-  usable only then. Without it the returned time is ``now()`` on CPU and an estimate on CUDA.
 - ``bytes_per_page``; ``now()`` (``time.monotonic`` unless a ``clock`` is given).
 """
 
