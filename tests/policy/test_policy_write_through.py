@@ -103,19 +103,26 @@ class FailingLoads(ShadowBackend):
         return super().start_load(host_pages, device_pages)
 
 
+def first_prompt_on_host(policy: str, backend_cls):
+    """A manager over ``backend_cls`` that served two 16-token prompts in a 24-page pool: the
+    second evicted the first to host. Returns (manager, backend, clock, first prompt)."""
+    clock = VirtualClock()
+    backend = backend_cls(clock)
+    m = KVCacheManager(policy, page_size=1, device_pages=24, host_pages=64, backend=backend)
+    m.clock = clock
+    first, second = list(range(100, 116)), list(range(200, 216))
+    for tokens, agent in ((first, "a"), (second, "b")):
+        clock.t += 1.0
+        assert serve_writing(m, backend, tokens, len(tokens), agent)
+    return m, backend, clock, first
+
+
 @pytest.mark.parametrize("policy", ["hicache", "kvflow"])
 def test_a_load_that_cannot_start_leaves_the_prefix_on_host(policy):
     """The error reaches the caller (the engine fails that request) and the store is as before
     the attempt: the prefix still host-only, not LOADING for ever (requests waiting on it hung),
     its device pages free again; the next load of it works and reads its own tokens."""
-    clock = VirtualClock()
-    backend = FailingLoads(clock)
-    m = KVCacheManager(policy, page_size=1, device_pages=24, host_pages=64, backend=backend)
-    m.clock = clock
-    first, second = list(range(100, 116)), list(range(200, 216))
-    for tokens, agent in ((first, "a"), (second, "b")):    # the second evicts the first to host
-        clock.t += 1.0
-        assert serve_writing(m, backend, tokens, len(tokens), agent)
+    m, backend, clock, first = first_prompt_on_host(policy, FailingLoads)
     pm = m.match(first)
     assert pm.needs_load
     backend.fail = 1
@@ -180,14 +187,8 @@ def test_discard_all_forgets_every_prefix_without_copying_one(policy):
     """What the engine does when its KV bytes can no longer be trusted (a copy failed on its
     copy thread): every prefix goes, device, host and loading alike, and none is written
     through to host on its way out (the copy would carry the bad bytes)."""
-    clock = VirtualClock()
-    backend = SlowLink(clock)
-    m = KVCacheManager(policy, page_size=1, device_pages=24, host_pages=64, backend=backend)
-    m.clock = clock
-    first, second = list(range(100, 116)), list(range(200, 216))
-    for tokens, agent in ((first, "a"), (second, "b")):    # the second evicts the first to host
-        clock.t += 1.0
-        assert serve_writing(m, backend, tokens, len(tokens), agent)
+    m, backend, clock, first = first_prompt_on_host(policy, SlowLink)
+    second = list(range(200, 216))
     pm = m.match(first)
     m.load_on_demand(pm)                                  # lands at t + 5: in flight
     assert m.match(first, record=False).loading
