@@ -250,17 +250,20 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
         return self.tp_world_size > 1 or (self.pp_size or 1) > 1
 
     def _kv_now(self) -> float:
-        """The clock leases and load estimates use. Single rank: wall time. Several ranks: a
-        value all ranks agreed on (MIN all-reduce every CLOCK_SYNC_STEPS scheduler steps, see
-        :meth:`kvflow_step`), so a lease expires at the same step everywhere and eviction stays
-        identical across ranks."""
+        """The clock leases and load estimates use. Single rank: the local monotonic clock.
+        Several ranks: a value all ranks agreed on (MIN all-reduce every CLOCK_SYNC_STEPS
+        scheduler steps, see :meth:`kvflow_step`), so a lease expires at the same step
+        everywhere and eviction stays identical across ranks."""
         if not self._multi_rank():
-            return self._wall_clock()
+            return self._local_clock()
         return self._kv_clock
 
     @staticmethod
-    def _wall_clock() -> float:
-        return time.time()
+    def _local_clock() -> float:
+        # Monotonic, not time.time(): a wall-clock step (NTP, a VM resumed) would expire every
+        # lease at once, or keep them for ever. Across ranks the MIN all-reduce agrees on one
+        # rank's clock (on several hosts, whichever booted last), which advances like any other.
+        return time.monotonic()
 
     def kvflow_step(self) -> None:
         """Once per scheduler loop iteration, on every rank at the same point of its request
@@ -282,7 +285,7 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
             loc = self._kv_local
             ns = [int((v or 0.0) * 1e9) for v in (loc.measured_spp, loc.admission_delay_s,
                                                   loc.measured_prefill_spt)]
-            t = torch.tensor([int(self._wall_clock() * 1000)] + [-x for x in ns],
+            t = torch.tensor([int(self._local_clock() * 1000)] + [-x for x in ns],
                              dtype=torch.int64, device="cpu")
             self._all_reduce(t, torch.distributed.ReduceOp.MIN)
             self._kv_clock = int(t[0].item()) / 1000.0

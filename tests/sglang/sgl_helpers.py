@@ -139,7 +139,7 @@ class ClockedKVFlowHiCacheSetup(KVFlowHiCacheSetup):
     def setUp(self):
         super().setUp()
         self.clock = [1000.0]
-        self.cache._wall_clock = lambda: self.clock[0]
+        self.cache._local_clock = lambda: self.clock[0]
 
 
 def matched(test, cache, tokens):

@@ -140,7 +140,7 @@ def test_lease_expiry_and_workflow_end_unpin():
     run_request(kit, cache, alloc, r2t, b, hints("new", "B", {"B": 1}, fixed_tokens=16))
     import time
 
-    cache.kvflow_expire(now=time.time() + cache.lease_s + 1)  # both quiet: both +inf
+    cache.kvflow_expire(now=time.monotonic() + cache.lease_s + 1)  # both quiet: both +inf
     assert cache.kv_index.ste(("old", "A")) == float("inf")
     from kvflow_agents.protocol import Hints
 
@@ -227,9 +227,24 @@ def test_lease_checked_at_eviction_without_hicache():
     run_request(kit, cache, alloc, r2t, a, hints("quiet", "A", {"A": 0}, fixed_tokens=16))
     run_request(kit, cache, alloc, r2t, b, hints("live", "B", {"B": 3}, fixed_tokens=16))
     # the "quiet" workflow's last hint was long ago
-    cache.kv_hints.workflows["quiet"].last_hint = time.time() - cache.lease_s - 1
+    cache.kv_hints.workflows["quiet"].last_hint = time.monotonic() - cache.lease_s - 1
     cache.evict(EvictParams(num_tokens=16))          # expires it first, then evicts A (+inf)
     assert cached_len(cache, a) == 0 and cached_len(cache, b) == 16
+
+
+def test_a_wall_clock_step_expires_no_lease():
+    """Leases run on the monotonic clock: the wall clock jumping a day ahead (NTP, a resumed VM)
+    leaves a live workflow's hints in force, so its prefix still outranks a quiet one's."""
+    import time
+
+    kit, cache, alloc, r2t = build(page_size=4)
+    a, b = seq(1000, 16), seq(2000, 16)
+    run_request(kit, cache, alloc, r2t, a, hints("live", "A", {"A": 1}, fixed_tokens=16))
+    run_request(kit, cache, alloc, r2t, b, hints("other", "B", {"B": 3}, fixed_tokens=16))
+    with mock.patch("time.time", return_value=time.time() + 86_400.0):
+        cache.evict(EvictParams(num_tokens=16))      # leases checked first: neither expired
+    assert cache.kv_index.ste(("live", "A")) == 1
+    assert cached_len(cache, a) == 16 and cached_len(cache, b) == 0
 
 
 def test_tp_ranks_take_the_same_decisions_with_drifting_clocks():
@@ -249,7 +264,7 @@ def test_tp_ranks_take_the_same_decisions_with_drifting_clocks():
         cache.tp_world_size = tp
         cache.kv_hints.lease_s = lease
         state = {"step": 0}
-        cache._wall_clock = lambda: wall(rank, state["step"])
+        cache._local_clock = lambda: wall(rank, state["step"])
 
         def fake_all_reduce(t, op):
             t.fill_(int(min(wall(r, state["step"]) for r in rate) * 1000))
