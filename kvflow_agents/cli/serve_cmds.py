@@ -112,6 +112,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                          "installed), asyncio or uvloop. The two measured alike here: the "
                          "engine thread waits for the HTTP side's Python either way "
                          "(bench/RESULTS.md 6.36)."),
+        http: str = typer.Option(
+            "auto", help="The HTTP/1.1 implementation, as uvicorn's --http: auto (httptools when "
+                         "installed, as it is with the serve extra), httptools or h11 (pure "
+                         "Python: the engine thread waits for its CPU, bench/RESULTS.md 6.38)."),
         record: Optional[str] = typer.Option(None, help="Append one JSON line per finished request "
                                              "to this file (the trace format `kvflow sim replay` reads)."),
     ) -> None:
@@ -175,7 +179,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         import uvicorn
 
         from kvflow_agents.serving.embedded.engine import Engine, EngineConfig
-        from kvflow_agents.serving.embedded.limits import ServerLimits, guarded_h11_protocol
+        from kvflow_agents.serving.embedded.limits import ServerLimits, guarded_protocol, resolve_http
         from kvflow_agents.serving.embedded.server import create_app
 
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -200,6 +204,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
         loop = _event_loop(loop)
+        try:
+            http = resolve_http(http)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--http") from None
         t0 = time.perf_counter()
         eng = Engine(cfg)
         url = f"http://{host}:{port}/v1"
@@ -209,7 +217,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         typer.echo(f"  KV pools: device {device_tokens} tokens, host "
                    f"{host_tokens if eng.policy.host_tier else 0} tokens, page {page_size}; "
                    f"host link: {link}; KV copies {eng.pool.copy_mode}; lookahead {lookahead}; "
-                   f"max batch {max_batch}; event loop {loop}; "
+                   f"max batch {max_batch}; event loop {loop}, HTTP {http}; "
                    f"admission {eng.manager.admission.order}"
                    + (f" (status-aware, skip scope {eng.scheduler.skip_scope})"
                       if eng.scheduler.status_aware else "") + "; eviction "
@@ -223,7 +231,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         try:
             app = create_app(eng, tenancy, limits=limits, model_aliases=served_model_name or ())
             uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=5,
-                        http=guarded_h11_protocol(limits), loop=loop)
+                        http=guarded_protocol(limits, http), loop=loop)
         finally:
             eng.shutdown()
 

@@ -19,8 +19,8 @@ tokenizer); the hint registry's bounds in :class:`~kvflow_agents.serving.policy.
 
 Pieces: :class:`ServerLimits` (the numbers), :func:`parse_json_body` (strict UTF-8 JSON, depth,
 lone surrogates), :class:`LimitsMiddleware` (pure ASGI: body size and read timeout, header
-hygiene, last-resort 500) and :func:`guarded_h11_protocol` (uvicorn's h11 protocol plus the
-header timeout; ``uvicorn.Config(http=guarded_h11_protocol(limits))``).
+hygiene, last-resort 500) and :func:`guarded_protocol` (uvicorn's httptools or h11 protocol plus
+the header timeout; ``uvicorn.Config(http=guarded_protocol(limits, "auto"))``).
 """
 
 from __future__ import annotations
@@ -248,15 +248,69 @@ async def _error(send, status: int, message: str, type: str = "invalid_request_e
 
 
 # ---------------------------------------------------------------- uvicorn protocol
+HTTP_IMPLEMENTATIONS = ("auto", "httptools", "h11")
+
+
+def resolve_http(http: str) -> str:
+    """``auto`` as uvicorn resolves it: httptools (C parser, llhttp) when installed, else h11
+    (pure Python). Raises ``ValueError`` for an unknown name or httptools asked for and missing."""
+    import importlib.util
+
+    if http not in HTTP_IMPLEMENTATIONS:
+        raise ValueError(f"{http!r}: use {', '.join(HTTP_IMPLEMENTATIONS)}")
+    installed = importlib.util.find_spec("httptools") is not None
+    if http == "httptools" and not installed:
+        raise ValueError("httptools is not installed (pip install httptools, or h11)")
+    return "httptools" if http == "httptools" or (http == "auto" and installed) else "h11"
+
+
+def guarded_protocol(limits: ServerLimits, http: str = "auto"):
+    """uvicorn's HTTP/1.1 protocol class (``http``: see :func:`resolve_http`) with the header
+    timeout: a connection that has not sent a complete request head ``timeout_headers_s`` after
+    it opened (or after its last response) is closed. ``uvicorn.Config(http=...)``.
+
+    httptools is the default where it is installed: the event loop shares the GIL with the
+    engine thread, and every CPU second it spends parsing requests and framing SSE chunks in
+    Python (h11) is one the engine waits (bench/RESULTS.md 6.36, 6.38)."""
+    impl = resolve_http(http)
+    return guarded_httptools_protocol(limits) if impl == "httptools" else guarded_h11_protocol(limits)
+
+
+class _HeadTimer:
+    """The header-timeout timer both protocol classes share (mixed in before uvicorn's class:
+    uses its ``loop`` and ``transport``). ``_head_pending()`` says whether the connection still
+    owes a complete request head when the timer fires."""
+
+    _head_timer: Optional[asyncio.TimerHandle] = None
+    _head_timeout_s: float = 10.0
+
+    def _arm_head_timer(self) -> None:
+        self._disarm_head_timer()
+        self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_timeout)  # type: ignore[attr-defined]
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        transport = self.transport  # type: ignore[attr-defined]
+        if self._head_pending() and not transport.is_closing():
+            # no request head in time (slow or idle client): close, as a keep-alive timeout
+            transport.close()
+
+    def _head_pending(self) -> bool:
+        raise NotImplementedError
+
+
 def guarded_h11_protocol(limits: ServerLimits):
-    """uvicorn's h11 protocol class with a header timeout: a connection that has not sent a
-    complete request head ``timeout_headers_s`` after it opened (or after its last response)
-    is closed. Pass as ``uvicorn.Config(http=guarded_h11_protocol(limits))``."""
+    """uvicorn's h11 protocol class with the header timeout (see :func:`guarded_protocol`)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class GuardedH11Protocol(H11Protocol):
-        _head_timer: Optional[asyncio.TimerHandle] = None
+    class GuardedH11Protocol(_HeadTimer, H11Protocol):
+        _head_timeout_s = limits.timeout_headers_s
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -276,19 +330,47 @@ def guarded_h11_protocol(limits: ServerLimits):
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self._arm_head_timer()
 
-        def _arm_head_timer(self) -> None:
-            self._disarm_head_timer()
-            self._head_timer = self.loop.call_later(limits.timeout_headers_s, self._head_timeout)
-
-        def _disarm_head_timer(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_timeout(self) -> None:
-            self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                # no request head in time (slow or idle client): close, as a keep-alive timeout
-                self.transport.close()
+        def _head_pending(self) -> bool:
+            return self.conn.their_state is h11.IDLE
 
     return GuardedH11Protocol
+
+
+def guarded_httptools_protocol(limits: ServerLimits):
+    """uvicorn's httptools protocol class with the header timeout (see :func:`guarded_protocol`).
+    The timer is disarmed when a request's head is complete (``on_headers_complete``) and armed
+    again when a response completes with no pipelined request waiting."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class GuardedHttpToolsProtocol(_HeadTimer, HttpToolsProtocol):
+        _head_timeout_s = limits.timeout_headers_s
+        _head_done = False  # the current request's head is complete
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            self._head_done = False
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._head_done = True
+            self._disarm_head_timer()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            pipelined = bool(self.pipeline)  # a waiting request's head is already complete
+            super().on_response_complete()
+            if not pipelined and not self.transport.is_closing():
+                self._head_done = False
+                self._arm_head_timer()
+
+        def _head_pending(self) -> bool:
+            return not self._head_done
+
+    return GuardedHttpToolsProtocol

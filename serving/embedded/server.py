@@ -1,7 +1,7 @@
 """The embedded engine's HTTP server: OpenAI-compatible API + KVFlow endpoints (FastAPI).
 
 ``create_app(engine, api_key=None, *, tenant_header=None, limits=None, model_aliases=())``
-returns the ASGI app; ``kvflow serve`` runs it with uvicorn (``http=guarded_h11_protocol(limits)``
+returns the ASGI app; ``kvflow serve`` runs it with uvicorn (``http=guarded_protocol(limits, http)``
 adds the header timeout).
 
 Endpoints:

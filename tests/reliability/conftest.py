@@ -22,19 +22,20 @@ def tiny():
 
 @pytest.fixture
 def rserve(tiny):
-    """``with rserve(api_key=..., tenant_header=..., limits=ServerLimits(...), **engine_kw) as srv``"""
+    """``with rserve(api_key=..., tenant_header=..., limits=ServerLimits(...), http="auto",
+    **engine_kw) as srv`` (``http``: the guarded protocol ``kvflow serve --http`` would pick)"""
     from kvflow_agents.serving.embedded.engine import Engine
-    from kvflow_agents.serving.embedded.limits import ServerLimits, guarded_h11_protocol
+    from kvflow_agents.serving.embedded.limits import ServerLimits, guarded_protocol
     from kvflow_agents.serving.embedded.server import create_app
 
     @contextlib.contextmanager
-    def make(api_key=None, tenant_header=None, limits=None, loaded=None, **engine_kw):
+    def make(api_key=None, tenant_header=None, limits=None, loaded=None, http="auto", **engine_kw):
         kw = dict(model="tiny-random", policy="kvflow", device_tokens=4096, host_tokens=16384)
         kw.update(engine_kw)
         limits = limits or ServerLimits()
         eng = Engine(loaded=loaded or tiny, **kw)
         app = create_app(eng, api_key=api_key, tenant_header=tenant_header, limits=limits)
-        srv = RunningServer(eng, app, http=guarded_h11_protocol(limits))
+        srv = RunningServer(eng, app, http=guarded_protocol(limits, http))
         srv.start()
         try:
             yield srv

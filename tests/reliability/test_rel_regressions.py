@@ -286,8 +286,12 @@ def rserve_shared(tiny):
 
 
 # ------------------------------------------------------------------------------------------ slow
-def test_slow_clients_are_cut_off_and_others_are_served(rserve):
-    with rserve(limits=ServerLimits(timeout_headers_s=0.5, timeout_read_s=0.5)) as srv:
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_slow_clients_are_cut_off_and_others_are_served(rserve, http):
+    """Under either HTTP protocol ``kvflow serve --http`` offers: a head that never completes,
+    a body that never completes and an idle socket are closed (the body with a 408), and a
+    normal request beside them is served."""
+    with rserve(limits=ServerLimits(timeout_headers_s=0.5, timeout_read_s=0.5), http=http) as srv:
         slow_head = socket.create_connection(("127.0.0.1", srv.port))
         slow_head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never finishes
         slow_body = socket.create_connection(("127.0.0.1", srv.port))

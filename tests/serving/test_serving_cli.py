@@ -87,7 +87,40 @@ def test_serve_loop_flag_picks_the_event_loop_as_uvicorn_would(monkeypatch, flag
         assert ("not installed" in r.output) if "uvloop" in flags else "'trio'" in r.output
         return
     assert r.exit_code == 0, r.output
-    assert seen["loop"] == want and f"event loop {want};" in r.output
+    assert seen["loop"] == want and f"event loop {want}," in r.output
+
+
+@pytest.mark.parametrize("flags, installed, want", [
+    ([], True, "httptools"), ([], False, "h11"), (["--http", "h11"], True, "h11"),
+    (["--http", "httptools"], True, "httptools"), (["--http", "httptools"], False, None),
+    (["--http", "hyper"], True, None)])
+def test_serve_http_flag_picks_the_protocol_with_the_header_timeout(monkeypatch, flags, installed, want):
+    """``--http`` is uvicorn's: auto takes httptools where it is installed; either protocol
+    class uvicorn gets is the guarded one (the header timeout); httptools asked for where it is
+    not installed, or an unknown name, is a bad flag (exit 2, what is wrong)."""
+    import importlib.util
+
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from kvflow_agents.serving.embedded.limits import _HeadTimer
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (object() if installed else None) if name == "httptools" else real_find_spec(name, *a)))
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags,
+                           env={"COLUMNS": "200"})
+    if want is None:
+        assert r.exit_code == 2 and "--http" in r.output and not seen
+        assert ("not installed" in r.output) if "httptools" in flags else "'hyper'" in r.output
+        return
+    assert r.exit_code == 0, r.output
+    base = HttpToolsProtocol if want == "httptools" else H11Protocol
+    assert issubclass(seen["http"], base) and issubclass(seen["http"], _HeadTimer)
+    assert f"HTTP {want};" in r.output
 
 
 @pytest.mark.parametrize("policy, flags, aware, scope", [
