@@ -54,6 +54,22 @@ def command_line(bench: str) -> str:
     return " ".join(["kvflow", "bench", bench, *args])
 
 
+def emit_document(console, doc: dict, table, *, json_out: Optional[str], plot=None) -> None:
+    """A one-table bench's output: the JSON on stdout (``--json -``) or the table (and the JSON
+    file, if asked), then ``plot()`` (``--plot``)."""
+    if json_out == "-":
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        console.print(table)
+        if json_out:
+            from kvflow_agents.bench import report
+
+            report.write_json(doc, json_out)
+            console.print(f"[dim]JSON written to {json_out}[/]")
+    if plot is not None:
+        plot()
+
+
 def _round_page(n: float, page: int) -> int:
     return int(-(-int(n) // page) * page)
 

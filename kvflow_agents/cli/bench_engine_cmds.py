@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from .bench_cmds import _DEFAULT_POLICIES, _policies, command_line, escape
+from .bench_cmds import _DEFAULT_POLICIES, _policies, command_line, emit_document, escape
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
@@ -119,14 +119,5 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                "results": [r.as_dict() for r in res]}
         title = (f"kvflow bench layout: {model}, batch {batch} x {context} tokens, decode step by "
                  f"page runs per sequence")
-        if json_out == "-":
-            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-        else:
-            console.print(page_layout.render_table(res, title))
-            if json_out:
-                from kvflow_agents.bench import report
-
-                report.write_json(doc, json_out)
-                console.print(f"[dim]JSON written to {json_out}[/]")
-        if plot_out:
-            page_layout.plot(res, plot_out, title)
+        emit_document(console, doc, page_layout.render_table(res, title), json_out=json_out,
+                      plot=(lambda: page_layout.plot(res, plot_out, title)) if plot_out else None)

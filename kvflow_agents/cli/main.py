@@ -36,6 +36,7 @@ _COMMAND_MODULES = [
     "kvflow_agents.cli.bench_peer_cmds",
     "kvflow_agents.cli.bench_aiperf_cmds",
     "kvflow_agents.cli.bench_engine_cmds",
+    "kvflow_agents.cli.bench_http_cmds",
     "kvflow_agents.cli.reliability_cmds",
     "kvflow_agents.cli.cluster_cmds",
     "kvflow_agents.cli.sim_cmds",
