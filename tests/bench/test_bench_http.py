@@ -68,11 +68,12 @@ def test_ratios_are_per_repetition_against_the_first_combination():
 
 
 def test_bench_http_cli_measures_real_servers(tmp_path):
-    """Two real servers (the pure-Python path and the C one), streamed requests over HTTP: every
+    """Two real servers (uvicorn's pure-Python HTTP and httptools, both installed by the serve
+    extra; uvloop is not), streamed requests over HTTP: every
     request answered (a failed one would raise), CPU seen on the event loop and the engine
     thread during the load, JSON and PNG written, the table within 80 columns."""
     out, png = tmp_path / "h.json", tmp_path / "h.png"
-    r = CliRunner().invoke(app, ["bench", "http", "--combos", "asyncio+h11,uvloop+httptools",
+    r = CliRunner().invoke(app, ["bench", "http", "--combos", "asyncio+h11,asyncio+httptools",
                                  "--requests", "16", "--concurrency", "2", "--tokens", "4",
                                  "--reps", "1", "--json", str(out), "--plot", str(png)],
                            env={"COLUMNS": "80"})
@@ -81,7 +82,7 @@ def test_bench_http_cli_measures_real_servers(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["bench"] == "http" and doc["stream"] is True
     rows = doc["results"]
-    assert [(x["loop"], x["http"]) for x in rows] == [("asyncio", "h11"), ("uvloop", "httptools")]
+    assert [(x["loop"], x["http"]) for x in rows] == [("asyncio", "h11"), ("asyncio", "httptools")]
     for x in rows:
         (sample,) = x["samples"]
         assert sample["requests"] == 16 and sample["wall_s"] > 0
@@ -93,3 +94,16 @@ def test_bench_http_cli_measures_real_servers(tmp_path):
 def test_bench_http_rejects_an_unknown_combination():
     r = CliRunner().invoke(app, ["bench", "http", "--combos", "asyncio+hyper"], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "--combos" in r.output and "asyncio+hyper" in r.output
+
+
+def test_bench_http_defaults_to_what_is_installed_and_refuses_what_is_not(monkeypatch):
+    """Without uvloop the default combinations are the asyncio ones, and asking for uvloop is a
+    bad flag that says what to install (not a server that fails to start)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvloop" else real(name, *a))
+    assert http_side.installed_combos() == [("asyncio", "h11"), ("asyncio", "httptools")]
+    r = CliRunner().invoke(app, ["bench", "http", "--combos", "uvloop+h11"], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "uvloop is not installed" in r.output
