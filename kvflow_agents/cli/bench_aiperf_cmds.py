@@ -12,9 +12,11 @@ import typer
 from .bench_cmds import (
     _DEFAULT_POLICIES,
     _HINTS_HELP,
+    _OTHER_PYTHON_HELP,
     _SERVER_THREADS_HELP,
     _VARIANT_HELP,
     _hint_mode,
+    _other_checkout,
     _policies,
     _policy_variants,
     _round_page,
@@ -47,6 +49,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         trials: int = typer.Option(1, min=1, help="AIPerf runs per policy (policies interleaved)."),
         policies: str = typer.Option(_DEFAULT_POLICIES, help="Comma-separated: lru,hicache,kvflow,oracle."),
         policy_variant: Optional[List[str]] = typer.Option(None, help=_VARIANT_HELP),
+        other_python: Optional[str] = typer.Option(None, help=_OTHER_PYTHON_HELP),
         model: str = typer.Option("tiny-random", help="Model preset for the embedded servers."),
         device_tokens: Optional[int] = typer.Option(None, help="Device KV pool (tokens)."),
         device_fraction: float = typer.Option(0.4, help="Default device pool as a fraction of the fixed prompts "
@@ -83,6 +86,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"choose one of {', '.join(ap.WORKLOADS)}", param_hint="--workload")
         _hint_mode(hints)
         pols, variants = _policy_variants(policy_variant, _policies(policies))
+        pols, variants, commands = _other_checkout(other_python, pols, variants)
         threads = _server_threads(server_threads)
         console = Console(stderr=json_out == "-")
         try:
@@ -104,7 +108,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    device_fraction=device_fraction, host_tokens=host_tokens,
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=1, max_batch=max_batch,
-                                   console=console, meta=meta, torch_threads=threads, variants=variants)
+                                   console=console, meta=meta, torch_threads=threads, variants=variants,
+                                   commands=commands)
             title = (f"kvflow bench aiperf: cycle of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                      f"{workflows} session(s) x {rounds} round(s), {model}, hints: {hints}")
         else:
@@ -124,7 +129,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                    page_size=page_size, host_link_gbps=host_link_gbps,
                                    load_fraction=load_fraction, lookahead=1, max_batch=max_batch,
                                    console=console, meta=meta, fixed_total=ctx,
-                                   torch_threads=threads, variants=variants)
+                                   torch_threads=threads, variants=variants,
+                                   commands=commands)
             title = (f"kvflow bench aiperf: AIPerf multi-turn, {conversations} conversations x {turns} turns, "
                      f"system {system_prompt} + {isl}/{output} tokens per turn, concurrency {workflows}, {model}")
         # (the work folder after sizing: a bad flag above leaves no temp folder behind)

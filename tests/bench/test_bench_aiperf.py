@@ -5,6 +5,7 @@ command creates it; CI does not, so that test is skipped there)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,9 @@ def test_missing_aiperf_is_a_clear_error(tmp_path):
     assert r.exit_code == 2 and "agentic" in r.output
     r = CliRunner().invoke(app, ["bench", "aiperf", "--policy-variant", "x=nope"], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "--policy-variant" in r.output and "not a policy" in r.output
+    r = CliRunner().invoke(app, ["bench", "aiperf", "--other-python", str(tmp_path / "nope")],
+                           env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "--other-python" in r.output and "not an executable" in r.output
 
 
 @pytest.mark.skipif(ap.find_aiperf(None, str(REPO / ".venv-aiperf")) is None,
@@ -98,14 +102,22 @@ def test_real_aiperf_against_two_policies(tmp_path):
     r = CliRunner().invoke(app, [
         "bench", "aiperf", "--policies", "lru,kvflow", "--agents", "3", "--fixed", "128", "--output", "4",
         "--rounds", "1", "--workflows", "2", "--aiperf-venv", str(REPO / ".venv-aiperf"), "--no-install",
-        "--policy-variant", "kvflow-lease=kvflow --lease-s 30", "--json", str(out)], env={"COLUMNS": "80"})
+        "--policy-variant", "kvflow-lease=kvflow --lease-s 30", "--other-python", sys.executable,
+        "--json", str(out)], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     doc = json.loads(out.read_text())
+    # --other-python: every column twice, the twin served by that interpreter
+    twin = [sys.executable, "-P", "-m", "kvflow_agents.cli.main", "serve"]
+    assert list(doc["policies"]) == ["lru", "other-lru", "kvflow", "other-kvflow", "kvflow-lease",
+                                     "other-kvflow-lease"]
+    assert doc["policies"]["other-kvflow"]["serve_argv"][:5] == twin
     # the variant: one more server, kvflow with its own option, measured as one more column
-    assert doc["server"]["variants"] == {"kvflow-lease": ["kvflow", ["--lease-s", "30"]]}
+    assert doc["server"]["variants"]["kvflow-lease"] == ["kvflow", ["--lease-s", "30"]]
+    assert doc["server"]["variants"]["other-kvflow-lease"] == ["kvflow", ["--lease-s", "30"]]
+    assert doc["server"]["commands"] == {f"other-{p}": twin for p in ("lru", "kvflow", "kvflow-lease")}
     argv = doc["policies"]["kvflow-lease"]["serve_argv"]
     assert argv[argv.index("--policy") + 1] == "kvflow" and "--lease-s" in argv
-    for p in ("lru", "kvflow", "kvflow-lease"):
+    for p in doc["policies"]:
         a = doc["policies"][p]["workload"]["aiperf"]
         assert a["requests"] == 6 and a["errors"] == 0 and a["sessions"] == 2
         assert a["ttft_avg_ms"] > 0 and a["itl_avg_ms"] is not None and a["requests_per_s"] > 0
