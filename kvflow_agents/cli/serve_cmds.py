@@ -71,6 +71,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                        "loading: all, or workflow (its own workflow's and requests without "
                        "hints; another workflow's wait behind it). Default: the policy's "
                        "(kvflow: workflow)."),
+        backup: Optional[str] = typer.Option(
+            None, help="kvflow: which device victims are written through to the host pool: all "
+                       "(default, as HiCache) or tagged (only nodes on some agent's fixed prefix; a "
+                       "dynamic suffix is dropped, not copied)."),
         max_prefill_tokens: int = typer.Option(1024, min=1, help="Prompt tokens prefilled per scheduler step (chunked prefill)."),
         max_tokens_default: int = typer.Option(256, "--default-max-tokens", min=1,
                                                help="max_tokens when a request gives none."),
@@ -190,7 +194,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            copy_thread=copy_thread,
                            lazy_decode_pages=lazy_decode_pages, decode_reserve=decode_reserve,
                            admission=admission, status_aware=status_aware,
-                           skip_scope=skip_scope, lease_s=lease_s,
+                           skip_scope=skip_scope, lease_s=lease_s, backup=backup,
                            default_max_tokens=max_tokens_default,
                            max_prefill_tokens=max_prefill_tokens, record_path=record,
                            max_prompt_tokens=max_prompt_tokens, client_cap=client_cap,
@@ -221,7 +225,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    f"admission {eng.manager.admission.order}"
                    + (f" (status-aware, skip scope {eng.scheduler.skip_scope})"
                       if eng.scheduler.status_aware else "") + "; eviction "
-                   f"{'partial nodes' if partial_eviction else 'whole nodes'}; decode pages "
+                   f"{'partial nodes' if partial_eviction else 'whole nodes'}"
+                   + (f", backup {eng.policy.backup}" if hasattr(eng.policy, "backup") else "")
+                   + "; decode pages "
                    f"{'lazy' if lazy_decode_pages else 'upfront'}"
                    + (f" (reserve {eng.manager.decode_reserve:g} of max_tokens)"
                       if lazy_decode_pages else ""))

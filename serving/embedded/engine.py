@@ -93,7 +93,7 @@ class Engine(EngineLoop):
             cfg.model_path or cfg.model, cfg.device, cfg.dtype)
         self.load_s = time.perf_counter() - t0
         self.model_name = cfg.served_model_name or self.model_config.name
-        self.policy = get_policy(cfg.policy)
+        self.policy = get_policy(cfg.policy, **({"backup": cfg.backup} if cfg.backup else {}))
         ps = cfg.page_size
         dev_pages = cfg.device_tokens // ps
         host_pages = cfg.host_tokens // ps if self.policy.host_tier else 0

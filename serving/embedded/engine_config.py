@@ -8,6 +8,8 @@ from typing import Optional, Union
 
 from kvflow_agents.serving.policy.admission import check_admission, check_skip_scope
 
+BACKUP_MODES = ("all", "tagged")  # KVFlowPolicy(backup=...): which device victims get a host copy
+
 from .scheduler import SamplingParams
 
 
@@ -78,6 +80,7 @@ class EngineConfig:
     status_aware: Optional[bool] = None   # None = the policy's default (kvflow: on)
     skip_scope: Optional[str] = None      # all | workflow: who may run ahead of a loading request
     admission: Optional[str] = None       # fcfs | workflow; None = the policy's (kvflow: workflow)
+    backup: Optional[str] = None          # kvflow: all | tagged victims written through to host
     served_model_name: Optional[str] = None
     record_path: Optional[str] = None     # JSONL trace of finished requests (kvflow sim replay)
     max_prompt_tokens: Optional[int] = None  # None: what the device pool / model can hold
@@ -119,6 +122,12 @@ class EngineConfig:
             check_admission(self.admission)
         if self.skip_scope is not None:
             check_skip_scope(self.skip_scope)
+        if self.backup is not None:
+            if self.backup not in BACKUP_MODES:
+                raise ValueError(f"backup must be one of {', '.join(BACKUP_MODES)}, got {self.backup!r}")
+            if self.policy != "kvflow":
+                raise ValueError("backup applies to the kvflow policy (lru keeps no host copies; "
+                                 "hicache writes every victim through; the oracle never evicts)")
         client_cap_pages(self, 1)  # raises on a bad value
 
 

@@ -170,3 +170,25 @@ def test_serve_rejects_a_decode_reserve_outside_0_1():
     for bad in ("0", "1.5", "x"):
         r = CliRunner().invoke(app, ["serve", "--decode-reserve", bad], env={"COLUMNS": "200"})
         assert r.exit_code == 2 and "--decode-reserve" in r.output
+
+
+@pytest.mark.parametrize("flags, want", [
+    ([], "all"), (["--backup", "tagged"], "tagged"), (["--backup", "all"], "all"),
+    (["--backup", "some"], None), (["--policy", "hicache", "--backup", "tagged"], None)])
+def test_serve_backup_flag_reaches_the_kvflow_policy(monkeypatch, flags, want):
+    """``--backup tagged`` makes the real engine's kvflow policy write through only victims on
+    some agent's fixed prefix (the startup summary says which); an unknown mode, or the flag
+    on another policy, is a bad flag (exit 2, what is wrong)."""
+    import uvicorn
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("policy", app.state.engine.policy))
+    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags,
+                           env={"COLUMNS": "200"})
+    if want is None:
+        assert r.exit_code == 2 and "backup" in r.output and not seen
+        assert ("'some'" in r.output) if "some" in flags else "kvflow policy" in r.output
+        return
+    assert r.exit_code == 0, r.output
+    assert isinstance(seen["policy"], KVFlowPolicy) and seen["policy"].backup == want
+    assert f"whole nodes, backup {want};" in r.output
