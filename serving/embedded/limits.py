@@ -284,6 +284,14 @@ class _HeadTimer:
     _head_timer: Optional[asyncio.TimerHandle] = None
     _head_timeout_s: float = 10.0
 
+    def connection_made(self, transport) -> None:  # a new connection owes its first head
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)  # type: ignore[misc]
+
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
         self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_timeout)  # type: ignore[attr-defined]
@@ -312,14 +320,6 @@ def guarded_h11_protocol(limits: ServerLimits):
     class GuardedH11Protocol(_HeadTimer, H11Protocol):
         _head_timeout_s = limits.timeout_headers_s
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_head_timer()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm_head_timer()
-            super().connection_lost(exc)
-
         def handle_events(self) -> None:
             super().handle_events()
             if self.conn.their_state in (h11.SEND_BODY, h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
@@ -345,14 +345,6 @@ def guarded_httptools_protocol(limits: ServerLimits):
     class GuardedHttpToolsProtocol(_HeadTimer, HttpToolsProtocol):
         _head_timeout_s = limits.timeout_headers_s
         _head_done = False  # the current request's head is complete
-
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_head_timer()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm_head_timer()
-            super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
             self._head_done = False

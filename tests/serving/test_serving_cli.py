@@ -9,6 +9,25 @@ from kvflow_agents.cli.main import app
 from kvflow_agents.serving.policy import KVFlowPolicy
 
 
+def serve_without_uvicorn(monkeypatch, flags, find_spec: "dict | None" = None):
+    """``kvflow serve --model tiny-random --device-tokens 512 FLAGS`` with the real engine and
+    app, uvicorn's ``run`` replaced: ``(result, engine or None, uvicorn.run's keywords)``.
+    ``find_spec``: module name -> installed? (the rest as they are)."""
+    import importlib.util
+
+    import uvicorn
+
+    if find_spec:
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+            (object() if find_spec[name] else None) if name in find_spec else real(name, *a)))
+    seen: dict = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw, engine=app.state.engine))
+    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags,
+                           env={"COLUMNS": "200"})
+    return r, seen.pop("engine", None), seen
+
+
 def test_serve_help_and_engine_choice():
     runner = CliRunner()
     r = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
@@ -36,14 +55,9 @@ def test_serve_eviction_flags_reach_the_store(monkeypatch, flags, partial, lazy)
     """``kvflow serve`` builds its engine's store evicting whole nodes unless told to evict
     partially, and its sessions allocating decode pages lazily unless told to take them
     upfront. The engine is the real one; only uvicorn's loop is replaced."""
-    import uvicorn
-
-    seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("mgr", app.state.engine.manager))
-    args = ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags
-    r = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    r, eng, _ = serve_without_uvicorn(monkeypatch, flags)
     assert r.exit_code == 0, r.output
-    assert seen["mgr"].store.partial_eviction is partial and seen["mgr"].lazy_decode is lazy
+    assert eng.manager.store.partial_eviction is partial and eng.manager.lazy_decode is lazy
     assert ("eviction partial nodes" if partial else "eviction whole nodes") in r.output
     assert ("decode pages lazy" if lazy else "decode pages upfront") in r.output
 
@@ -53,14 +67,9 @@ def test_serve_eviction_flags_reach_the_store(monkeypatch, flags, partial, lazy)
 def test_serve_copy_thread_flag_reaches_the_pool(monkeypatch, flags, threaded):
     """``--copy-thread`` moves the real engine's CPU KV copies onto a background thread;
     by default (``--inline-copies``) they run inline on the engine thread."""
-    import uvicorn
-
-    seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("pool", app.state.engine.pool))
-    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--policy", "hicache",
-                                 "--device-tokens", "512"] + flags, env={"COLUMNS": "200"})
+    r, eng, _ = serve_without_uvicorn(monkeypatch, ["--policy", "hicache"] + flags)
     assert r.exit_code == 0, r.output
-    assert seen["pool"].copy_thread is threaded
+    assert eng.pool.copy_thread is threaded
     assert f"KV copies {'copy thread' if threaded else 'inline'};" in r.output  # the startup summary says which
 
 
@@ -71,19 +80,9 @@ def test_serve_copy_thread_flag_reaches_the_pool(monkeypatch, flags, threaded):
 def test_serve_loop_flag_picks_the_event_loop_as_uvicorn_would(monkeypatch, flags, installed, want):
     """``--loop`` is uvicorn's: auto takes uvloop where it is installed; uvloop asked for where
     it is not, or an unknown loop, is a bad flag (exit 2, what is wrong), not a traceback."""
-    import importlib.util
-
-    import uvicorn
-
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
-        (object() if installed else None) if name == "uvloop" else real_find_spec(name, *a)))
-    seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
-    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags,
-                           env={"COLUMNS": "200"})
+    r, eng, seen = serve_without_uvicorn(monkeypatch, flags, find_spec={"uvloop": installed})
     if want is None:
-        assert r.exit_code == 2 and "--loop" in r.output and not seen
+        assert r.exit_code == 2 and "--loop" in r.output and eng is None
         assert ("not installed" in r.output) if "uvloop" in flags else "'trio'" in r.output
         return
     assert r.exit_code == 0, r.output
@@ -98,23 +97,14 @@ def test_serve_http_flag_picks_the_protocol_with_the_header_timeout(monkeypatch,
     """``--http`` is uvicorn's: auto takes httptools where it is installed; either protocol
     class uvicorn gets is the guarded one (the header timeout); httptools asked for where it is
     not installed, or an unknown name, is a bad flag (exit 2, what is wrong)."""
-    import importlib.util
-
-    import uvicorn
     from uvicorn.protocols.http.h11_impl import H11Protocol
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     from kvflow_agents.serving.embedded.limits import _HeadTimer
 
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
-        (object() if installed else None) if name == "httptools" else real_find_spec(name, *a)))
-    seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
-    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags,
-                           env={"COLUMNS": "200"})
+    r, eng, seen = serve_without_uvicorn(monkeypatch, flags, find_spec={"httptools": installed})
     if want is None:
-        assert r.exit_code == 2 and "--http" in r.output and not seen
+        assert r.exit_code == 2 and "--http" in r.output and eng is None
         assert ("not installed" in r.output) if "httptools" in flags else "'hyper'" in r.output
         return
     assert r.exit_code == 0, r.output
@@ -133,15 +123,10 @@ def test_serve_status_aware_flags_reach_the_scheduler(monkeypatch, policy, flags
     """Skipping requests whose prefix is loading, and whom the skip lets ahead, are the
     policy's defaults unless a flag says otherwise (the benches compare them with
     --policy-variant)."""
-    import uvicorn
-
-    seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("eng", app.state.engine))
-    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512",
-                                 "--policy", policy] + flags, env={"COLUMNS": "200"})
+    r, eng, _ = serve_without_uvicorn(monkeypatch, ["--policy", policy] + flags)
     assert r.exit_code == 0, r.output
-    assert seen["eng"].scheduler.status_aware is aware
-    assert seen["eng"].scheduler.skip_scope == scope
+    assert eng.scheduler.status_aware is aware
+    assert eng.scheduler.skip_scope == scope
     assert (f"(status-aware, skip scope {scope})" in r.output) is aware
 
 
@@ -156,14 +141,9 @@ def test_serve_refuses_an_unknown_skip_scope():
 def test_serve_decode_reserve_reaches_the_manager(monkeypatch, flags, reserve):
     """The optimistic decode reserve, in deterministic mode too (a retracted request replays
     its outputs there)."""
-    import uvicorn
-
-    seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("mgr", app.state.engine.manager))
-    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags,
-                           env={"COLUMNS": "200"})
+    r, eng, _ = serve_without_uvicorn(monkeypatch, flags)
     assert r.exit_code == 0, r.output
-    assert seen["mgr"].decode_reserve == reserve and f"reserve {reserve:g} of max_tokens" in r.output
+    assert eng.manager.decode_reserve == reserve and f"reserve {reserve:g} of max_tokens" in r.output
 
 
 def test_serve_rejects_a_decode_reserve_outside_0_1():
@@ -179,16 +159,11 @@ def test_serve_backup_flag_reaches_the_kvflow_policy(monkeypatch, flags, want):
     """``--backup tagged`` makes the real engine's kvflow policy write through only victims on
     some agent's fixed prefix (the startup summary says which); an unknown mode, or the flag
     on another policy, is a bad flag (exit 2, what is wrong)."""
-    import uvicorn
-
-    seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("policy", app.state.engine.policy))
-    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags,
-                           env={"COLUMNS": "200"})
+    r, eng, _ = serve_without_uvicorn(monkeypatch, flags)
     if want is None:
-        assert r.exit_code == 2 and "backup" in r.output and not seen
+        assert r.exit_code == 2 and "backup" in r.output and eng is None
         assert ("'some'" in r.output) if "some" in flags else "kvflow policy" in r.output
         return
     assert r.exit_code == 0, r.output
-    assert isinstance(seen["policy"], KVFlowPolicy) and seen["policy"].backup == want
+    assert isinstance(eng.policy, KVFlowPolicy) and eng.policy.backup == want
     assert f"whole nodes, backup {want};" in r.output
