@@ -31,13 +31,18 @@ COMBOS: tuple[tuple[str, str], ...] = (("asyncio", "h11"), ("asyncio", "httptool
                                        ("uvloop", "h11"), ("uvloop", "httptools"))
 
 
+def missing_packages(combos: Sequence[tuple[str, str]]) -> list[str]:
+    """The packages ``combos`` need that are not installed (asyncio and h11 always are)."""
+    import importlib.util
+
+    needed = {p for combo in combos for p in combo if p in ("uvloop", "httptools")}
+    return sorted(p for p in needed if importlib.util.find_spec(p) is None)
+
+
 def installed_combos() -> list[tuple[str, str]]:
     """:data:`COMBOS` whose packages are installed (httptools comes with the serve extra;
     uvloop only if installed by hand)."""
-    import importlib.util
-
-    have = {p: importlib.util.find_spec(p) is not None for p in ("uvloop", "httptools")}
-    return [c for c in COMBOS if all(have.get(p, True) for p in c)]
+    return [c for c in COMBOS if not missing_packages([c])]
 
 
 @dataclass
@@ -164,9 +169,12 @@ def measure_once(loop: str, http: str, *, requests: int, concurrency: int, token
     return Sample(loop, http, wall, lp, eng, rest, requests)
 
 
-def summarize(samples: Sequence[Sample], combos: Sequence[tuple[str, str]], reps: int) -> list[FrontendRow]:
-    """Rows in ``combos`` order; ratios are per repetition against ``combos[0]``."""
-    by = {(s.loop, s.http): [x for x in samples if (x.loop, x.http) == (s.loop, s.http)] for s in samples}
+def summarize(samples: Sequence[Sample], combos: Sequence[tuple[str, str]]) -> list[FrontendRow]:
+    """Rows in ``combos`` order; ratios are per repetition against ``combos[0]`` (each
+    combination's samples in repetition order)."""
+    by: dict[tuple[str, str], list[Sample]] = {tuple(c): [] for c in combos}
+    for x in samples:
+        by[(x.loop, x.http)].append(x)
     base = by[tuple(combos[0])]
     rows = []
     for combo in combos:
@@ -201,7 +209,7 @@ def run_http_bench(*, combos: Optional[Sequence[tuple[str, str]]] = None, reques
                 progress(f"repetition {r + 1}/{reps}: --loop {loop} --http {http}")
             samples.append(measure_once(loop, http, requests=requests, concurrency=concurrency,
                                         tokens=tokens, stream=stream, command=command))
-    return summarize(samples, combos, reps)
+    return summarize(samples, combos)
 
 
 def render_table(rows: Sequence[FrontendRow], title: str):

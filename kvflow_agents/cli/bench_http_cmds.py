@@ -48,11 +48,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from kvflow_agents.bench import http_side
 
         chosen = _combos(combos) if combos else http_side.installed_combos()
-        import importlib.util
-
-        for pkg in sorted({p for combo in chosen for p in combo if p in ("uvloop", "httptools")}):
-            if importlib.util.find_spec(pkg) is None:  # a bad flag here, not a failed server
-                raise typer.BadParameter(f"{pkg} is not installed (pip install {pkg})", param_hint="--combos")
+        for pkg in http_side.missing_packages(chosen):  # a bad flag here, not a failed server
+            raise typer.BadParameter(f"{pkg} is not installed (pip install {pkg})", param_hint="--combos")
         console = Console(stderr=json_out == "-")
         with console.status("measuring …") as status:
             try:

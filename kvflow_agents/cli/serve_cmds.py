@@ -113,9 +113,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         log_level: str = typer.Option("info", help="debug | info | warning | error."),
         loop: str = typer.Option(
             "auto", help="The HTTP side's event loop, as uvicorn's --loop: auto (uvloop when "
-                         "installed), asyncio or uvloop. The two measured alike here: the "
-                         "engine thread waits for the HTTP side's Python either way "
-                         "(bench/RESULTS.md 6.36)."),
+                         "installed), asyncio or uvloop. uvloop lowers the event loop's CPU; "
+                         "its effect on the wall time did not repeat from run to run "
+                         "(bench/RESULTS.md 6.36, 6.38)."),
         http: str = typer.Option(
             "auto", help="The HTTP/1.1 implementation, as uvicorn's --http: auto (httptools when "
                          "installed, as it is with the serve extra), httptools or h11 (pure "

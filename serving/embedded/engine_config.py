@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from kvflow_agents.serving.policy.admission import check_admission, check_skip_scope
-
-BACKUP_MODES = ("all", "tagged")  # KVFlowPolicy(backup=...): which device victims get a host copy
+from kvflow_agents.serving.policy.policies import KVFlowPolicy
 
 from .scheduler import SamplingParams
 
@@ -123,8 +122,9 @@ class EngineConfig:
         if self.skip_scope is not None:
             check_skip_scope(self.skip_scope)
         if self.backup is not None:
-            if self.backup not in BACKUP_MODES:
-                raise ValueError(f"backup must be one of {', '.join(BACKUP_MODES)}, got {self.backup!r}")
+            if self.backup not in KVFlowPolicy.BACKUP_MODES:
+                raise ValueError(f"backup must be one of {', '.join(KVFlowPolicy.BACKUP_MODES)}, "
+                                 f"got {self.backup!r}")
             if self.policy != "kvflow":
                 raise ValueError("backup applies to the kvflow policy (lru keeps no host copies; "
                                  "hicache writes every victim through; the oracle never evicts)")

@@ -91,9 +91,11 @@ class KVFlowPolicy(CachePolicy):
     status_aware = True
     skip_scope = "workflow"
 
+    BACKUP_MODES = ("all", "tagged")
+
     def __init__(self, backup: str = "all", prefetch: bool = True, admission: str = "workflow",
                  skip_scope: str | None = None) -> None:
-        if backup not in ("all", "tagged"):
+        if backup not in self.BACKUP_MODES:
             raise ValueError("backup must be 'all' or 'tagged'")
         check_admission(admission)
         if skip_scope is not None:

@@ -59,7 +59,7 @@ def test_ratios_are_per_repetition_against_the_first_combination():
     samples = [s(*base, 1.0, 1.0), s(*fast, 0.5, 0.5),      # repetition 1: fast 0.5x
                s(*fast, 1.8, 1.6), s(*base, 2.0, 2.0),      # repetition 2 (order reversed): 0.9x, 0.8x
                s(*base, 4.0, 4.0), s(*fast, 2.8, 2.8)]      # repetition 3: 0.7x
-    rows = http_side.summarize(samples, [base, fast], reps=3)
+    rows = http_side.summarize(samples, [base, fast])
     assert [r.label for r in rows] == ["asyncio/h11", "uvloop/httptools"]
     assert rows[0].loop_cpu_vs_base == rows[0].wall_vs_base == 1.0
     assert rows[1].loop_cpu_vs_base == pytest.approx(0.7) and rows[1].wall_vs_base == pytest.approx(0.7)
