@@ -120,6 +120,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             "auto", help="The HTTP/1.1 implementation, as uvicorn's --http: auto (httptools when "
                          "installed, as it is with the serve extra), httptools or h11 (pure "
                          "Python: the engine thread waits for its CPU, bench/RESULTS.md 6.38)."),
+        engine_process: bool = typer.Option(
+            False, "--engine-process/--engine-thread",
+            help="Run the engine (model, scheduler, KV cache, detokenization) in a process of its "
+                 "own and the HTTP side (parsing, tokenization, SSE) in this one, so they do not "
+                 "share a GIL (vLLM v1's EngineCore split; measured in the README). Default: one "
+                 "process, the engine on a thread."),
         record: Optional[str] = typer.Option(None, help="Append one JSON line per finished request "
                                              "to this file (the trace format `kvflow sim replay` reads)."),
     ) -> None:
@@ -213,24 +219,32 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--http") from None
         t0 = time.perf_counter()
-        eng = Engine(cfg)
+        if engine_process:
+            from kvflow_agents.serving.embedded.engine_core import EngineCoreClient
+            try:
+                eng = EngineCoreClient(cfg, log_level=log_level)
+            except RuntimeError as e:
+                raise SystemExit(f"kvflow serve: {e}") from None
+        else:
+            eng = Engine(cfg)
+        d = eng.describe()
         url = f"http://{host}:{port}/v1"
         link = (f"{host_link_gbps} GB/s (EMULATED host link)" if host_link_gbps else "real copy speed")
         typer.echo(f"kvflow serve: model={eng.model_name} engine=embedded device={device} "
-                   f"policy={policy} loaded in {time.perf_counter() - t0:.1f}s")
+                   f"policy={policy} loaded in {time.perf_counter() - t0:.1f}s"
+                   + (" (engine process)" if engine_process else ""))
         typer.echo(f"  KV pools: device {device_tokens} tokens, host "
-                   f"{host_tokens if eng.policy.host_tier else 0} tokens, page {page_size}; "
-                   f"host link: {link}; KV copies {eng.pool.copy_mode}; lookahead {lookahead}; "
+                   f"{host_tokens if d['host_tier'] else 0} tokens, page {page_size}; "
+                   f"host link: {link}; KV copies {d['copy_mode']}; lookahead {lookahead}; "
                    f"max batch {max_batch}; event loop {loop}, HTTP {http}; "
-                   f"admission {eng.manager.admission.order}"
-                   + (f" (status-aware, skip scope {eng.scheduler.skip_scope})"
-                      if eng.scheduler.status_aware else "") + "; eviction "
+                   f"admission {d['admission']}"
+                   + (f" (status-aware, skip scope {d['skip_scope']})" if d["status_aware"] else "")
+                   + "; eviction "
                    f"{'partial nodes' if partial_eviction else 'whole nodes'}"
-                   + (f", backup {eng.policy.backup}" if hasattr(eng.policy, "backup") else "")
+                   + (f", backup {d['backup']}" if d["backup"] else "")
                    + "; decode pages "
                    f"{'lazy' if lazy_decode_pages else 'upfront'}"
-                   + (f" (reserve {eng.manager.decode_reserve:g} of max_tokens)"
-                      if lazy_decode_pages else ""))
+                   + (f" (reserve {d['decode_reserve']:g} of max_tokens)" if lazy_decode_pages else ""))
         typer.echo(f"  OpenAI base URL: {url}   (KVFlow: {url[:-3]}/kvflow/v1/cache, /metrics)"
                    + (f"   [API key required; {len(keys)} tenant(s)]" if keys else "")
                    + ("   [deterministic]" if deterministic else ""))

@@ -28,7 +28,8 @@ Threading invariants:
   it reads or writes (``pool.wait_copies``);
 - other threads talk to it through a command queue: :meth:`submit`, :meth:`abort`,
   :meth:`update_hints`, :meth:`call`; results come back through a per-request sink called on
-  the engine thread (asyncio users get them via ``loop.call_soon_threadsafe``);
+  the engine thread, or, for a :class:`~.engine_loop.BatchedSink` (``stream``: asyncio queues;
+  the engine process's pipe), collected and handed over once per step;
 - :meth:`stats` reads a snapshot the engine thread publishes, so /metrics never blocks a step.
 
 Failure isolation (one request never fails another):
@@ -48,7 +49,10 @@ exists to demonstrate prefetch/overlap on machines without a GPU.
 
 The engine thread's side (one scheduler step, the cache protocol per request, failure
 isolation inside a step, deterministic mode) is :class:`~.engine_loop.EngineLoop`, which
-``Engine`` inherits.
+``Engine`` inherits. The calls written over ``make_request`` / ``submit`` / ``abort`` /
+``_call_future`` (``generate``, ``chat``, ``stream``, ``call``, ``acall``, ``cache_report``) are
+:class:`EngineAPI`'s, shared with :class:`~.engine_core.EngineCoreClient`, the same engine in a
+process of its own (``kvflow serve --engine-process``).
 """
 
 from __future__ import annotations
@@ -62,14 +66,78 @@ import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from .engine_config import EngineConfig, EngineInputError, client_cap_pages, params_from_kwargs
-from .engine_loop import EngineLoop, LoopSink
+from .engine_loop import BatchedSink, EngineLoop, LoopOutlet
 from .request_builder import RequestBuilder
 from .scheduler import Completion, Request, SamplingParams, Scheduler, StreamEvent
 
 __all__ = ["Engine", "EngineConfig", "EngineInputError", "Completion", "StreamEvent", "SamplingParams"]
 
 
-class Engine(EngineLoop):
+class EngineAPI:
+    """The public calls both engines share, written once over four primitives each provides:
+    ``make_request``, ``submit`` (the request's sink gets its events), ``abort`` and
+    ``_call_future`` (run ``fn(engine)`` on the engine thread). :class:`Engine` runs in this
+    process; :class:`~.engine_core.EngineCoreClient` talks to one in its own process."""
+
+    def call(self, fn: Callable[["Engine"], Any], timeout: Optional[float] = 30.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        return self._call_future(fn).result(timeout)
+
+    async def acall(self, fn: Callable[["Engine"], Any]) -> Any:
+        return await asyncio.wrap_future(self._call_future(fn))
+
+    def generate(self, prompt: "str | Sequence[int]", *, hints: Any = None, timeout: Optional[float] = None,
+                 **sampling) -> Completion:
+        """Blocking completion of a raw prompt (text or token ids)."""
+        kw = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
+        return self._blocking(kw, hints, timeout, sampling)
+
+    def chat(self, messages: Sequence[dict], *, hints: Any = None, timeout: Optional[float] = None,
+             tools: Optional[Sequence[dict]] = None, **sampling) -> Completion:
+        """Blocking chat completion (the model's chat template is applied, with ``tools``)."""
+        return self._blocking({"messages": messages, "tools": tools}, hints, timeout, sampling)
+
+    def _blocking(self, kw: dict, hints, timeout, sampling: dict) -> Completion:
+        done = threading.Event()
+        box: list[Completion] = []
+
+        def sink(ev: StreamEvent) -> None:
+            if ev.done is not None:
+                box.append(ev.done)
+                done.set()
+        req = self.make_request(**kw, params=params_from_kwargs(sampling), hints=hints, sink=sink)
+        self.submit(req)
+        if not done.wait(timeout):
+            self.abort(req.rid)
+            raise TimeoutError(f"request {req.rid} did not finish in {timeout} s")
+        return box[0]
+
+    async def stream(self, req: Request) -> AsyncIterator[StreamEvent]:
+        """Submit ``req`` (built by :meth:`make_request`; its sink is replaced) and yield its
+        events. Leaving the iteration early (client gone) aborts the request and frees its pages."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        req.sink = BatchedSink(LoopOutlet(loop), q)  # one hand-off per loop per engine step
+        self.submit(req)
+        finished = False
+        try:
+            while True:
+                ev = await q.get()
+                if ev.done is not None:
+                    finished = True
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(req.rid)
+
+    def cache_report(self, timeout: Optional[float] = 30.0) -> dict:
+        from .cache_view import cache_report
+        return self.call(cache_report, timeout)
+
+
+class Engine(EngineAPI, EngineLoop):
     """See the module docstring. Thread-safe public methods; ``generate``/``chat`` block."""
 
     def __init__(self, config: Optional[EngineConfig] = None, *, start: bool = True,
@@ -145,7 +213,7 @@ class Engine(EngineLoop):
                          # it. On CUDA only the launches (the forward is asynchronous there)
                          "prefill_forward_s": 0.0, "decode_forward_s": 0.0}
         self._snapshot: dict = {}
-        self._outbox: dict = {}            # event loop -> [(queue, event)] of this step
+        self._outbox: dict = {}            # outlet -> [(key, event)] of this step (BatchedSink)
         self._published = 0.0
         self.recorder = None
         if cfg.record_path:
@@ -181,6 +249,21 @@ class Engine(EngineLoop):
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def started(self) -> bool:
+        """The engine thread was started (``alive`` False after it: it stopped)."""
+        return self._thread is not None
+
+    def describe(self) -> dict:
+        """What was fixed at start, as plain data: the startup line, and the HTTP side of an
+        engine in its own process (``engine_core``)."""
+        mgr, sched = self.manager, self.scheduler
+        return {"model_name": self.model_name, "load_s": self.load_s, "policy": self.policy.name,
+                "host_tier": self.policy.host_tier, "backup": getattr(self.policy, "backup", None),
+                "copy_mode": self.pool.copy_mode, "admission": mgr.admission.order,
+                "status_aware": sched.status_aware, "skip_scope": sched.skip_scope,
+                "decode_reserve": mgr.decode_reserve, "capacity_tokens": self.capacity_tokens}
 
     @property
     def capacity_tokens(self) -> Optional[int]:
@@ -230,13 +313,6 @@ class Engine(EngineLoop):
         with self._lock:
             self.counters["hints_accepted" if accepted else "hints_rejected"] += 1
 
-    def call(self, fn: Callable[["Engine"], Any], timeout: Optional[float] = 30.0) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
-        return self._call_future(fn).result(timeout)
-
-    async def acall(self, fn: Callable[["Engine"], Any]) -> Any:
-        return await asyncio.wrap_future(self._call_future(fn))
-
     def _call_future(self, fn) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -249,56 +325,6 @@ class Engine(EngineLoop):
         self._inbox.put(run)
         return fut
 
-    def generate(self, prompt: "str | Sequence[int]", *, hints: Any = None, timeout: Optional[float] = None,
-                 **sampling) -> Completion:
-        """Blocking completion of a raw prompt (text or token ids)."""
-        kw = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
-        return self._blocking(kw, hints, timeout, sampling)
-
-    def chat(self, messages: Sequence[dict], *, hints: Any = None, timeout: Optional[float] = None,
-             tools: Optional[Sequence[dict]] = None, **sampling) -> Completion:
-        """Blocking chat completion (the model's chat template is applied, with ``tools``)."""
-        return self._blocking({"messages": messages, "tools": tools}, hints, timeout, sampling)
-
-    def _blocking(self, kw: dict, hints, timeout, sampling: dict) -> Completion:
-        done = threading.Event()
-        box: list[Completion] = []
-
-        def sink(ev: StreamEvent) -> None:
-            if ev.done is not None:
-                box.append(ev.done)
-                done.set()
-        req = self.make_request(**kw, params=params_from_kwargs(sampling), hints=hints, sink=sink)
-        self.submit(req)
-        if not done.wait(timeout):
-            self.abort(req.rid)
-            raise TimeoutError(f"request {req.rid} did not finish in {timeout} s")
-        return box[0]
-
-    async def stream(self, req: Request) -> AsyncIterator[StreamEvent]:
-        """Submit ``req`` (built by :meth:`make_request`; its sink is replaced) and yield its
-        events. Leaving the iteration early (client gone) aborts the request and frees its pages."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        req.sink = LoopSink(loop, q)  # batched: one hand-off per loop per engine step
-        self.submit(req)
-        finished = False
-        try:
-            while True:
-                ev = await q.get()
-                if ev.done is not None:
-                    finished = True
-                yield ev
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(req.rid)
-
     def stats(self) -> dict:
         """The latest published snapshot (counters, cache metrics, queue, pools). Non-blocking."""
         return self._snapshot
-
-    def cache_report(self, timeout: Optional[float] = 30.0) -> dict:
-        from .cache_view import cache_report
-        return self.call(cache_report, timeout)

@@ -64,20 +64,42 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kvflow.engine")
 
 
-class LoopSink:
-    """The sink of a request streamed to an asyncio loop (:meth:`.engine.Engine.stream`); the engine
-    batches its events per loop and step instead of calling it."""
+class BatchedSink:
+    """A request's sink that the engine does not call per event: a step's events are collected
+    per ``outlet`` and handed over with one ``outlet.post([(key, event), ...])`` after the step
+    (a hand-off per token wakes the receiver, and takes the GIL from the engine thread, once
+    per token per request). ``key`` means what the outlet says: an asyncio queue for a
+    :class:`LoopOutlet`, unused by the engine process's pipe (``engine_core.PipeOutlet``)."""
 
-    __slots__ = ("loop", "queue")
+    __slots__ = ("outlet", "key")
 
-    def __init__(self, loop, q) -> None:
-        self.loop, self.queue = loop, q
+    def __init__(self, outlet, key) -> None:
+        self.outlet, self.key = outlet, key
 
     def __call__(self, ev) -> None:  # direct use (outside the engine thread's batching)
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        self.outlet.post([(self.key, ev)])
 
 
-def _deliver(items) -> None:
+class LoopOutlet:
+    """Events to asyncio queues of one event loop: one ``call_soon_threadsafe`` per post. Equal
+    (and hashed alike) for the same loop, so one step's events to a loop go in one post."""
+
+    __slots__ = ("loop",)
+
+    def __init__(self, loop) -> None:
+        self.loop = loop
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LoopOutlet) and other.loop is self.loop
+
+    def __hash__(self) -> int:
+        return id(self.loop)
+
+    def post(self, items) -> None:
+        self.loop.call_soon_threadsafe(deliver_to_queues, items)
+
+
+def deliver_to_queues(items) -> None:
     """On the event loop: put a step's events on their requests' queues, in order."""
     for q, ev in items:
         q.put_nowait(ev)
@@ -103,7 +125,7 @@ class EngineLoop:
     _requests: dict
     _stop: threading.Event
     _lock: threading.Lock          # guards ``counters`` against the API threads' increments
-    _outbox: dict                  # event loop -> [(queue, event)] of this step
+    _outbox: dict                  # outlet -> [(key, event)] of this step (BatchedSink)
     _snapshot: dict
     _published: float
     _fair_share: bool
@@ -479,8 +501,8 @@ class EngineLoop:
 
     def _send(self, req: Request, ev: StreamEvent) -> None:
         sink = req.sink
-        if type(sink) is LoopSink:  # collected; _flush_outbox hands them over once per step
-            self._outbox.setdefault(sink.loop, []).append((sink.queue, ev))
+        if type(sink) is BatchedSink:  # collected; _flush_outbox hands them over once per step
+            self._outbox.setdefault(sink.outlet, []).append((sink.key, ev))
             return
         try:
             sink(ev)
@@ -488,17 +510,16 @@ class EngineLoop:
             log.debug("sink of %s failed", req.rid, exc_info=True)
 
     def _flush_outbox(self) -> None:
-        """One ``call_soon_threadsafe`` per event loop for everything this step produced (a
-        per-token hand-off wakes the loop, and takes the GIL from this thread, once per token
-        per request)."""
+        """One post per outlet (an event loop, the engine process's pipe) for everything this
+        step produced (:class:`BatchedSink`)."""
         if not self._outbox:
             return
         box, self._outbox = self._outbox, {}
-        for loop, items in box.items():
+        for outlet, items in box.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the loop is closed: its clients are gone
-                log.debug("event loop closed; %d stream events dropped", len(items))
+                outlet.post(items)
+            except Exception:  # e.g. the loop is closed: its clients are gone
+                log.debug("outlet %r gone; %d stream events dropped", outlet, len(items), exc_info=True)
 
     def _abort(self, rid: str) -> None:
         req = self._requests.get(rid)
@@ -565,7 +586,7 @@ class EngineLoop:
             "counters": counters, "kv_copies": dict(self.pool.stats), "queue": self.scheduler.counts(),
             "admission_passes": dict(self.scheduler.passes),
             "device_pages": {"capacity": mgr.device.capacity, "used": mgr.device.num_used,
-                             "reserved": mgr.decode_reserved},
+                             "reserved": mgr.decode_reserved, "evictable": mgr.evictable_device_pages},
             "host_pages": {"capacity": mgr.host.capacity, "used": mgr.host.num_used},
             "loads_in_flight": mgr.loads_in_flight, "cache": mgr.metrics.as_dict(),
             "hints": mgr.tags.hints.stats(), "client_cap_pages": mgr.tags.client_cap_pages,

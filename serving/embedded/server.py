@@ -362,7 +362,9 @@ def create_app(engine: Engine, api_key: "str | Sequence[str] | Mapping[str, str]
     async def cache(request: Request, format: str = "json") -> Response:
         from .cache_view import cache_report, render_text
         tenant = tenant_of(request)
-        report = await asyncio.wait_for(engine.acall(lambda e: cache_report(e, tenant=tenant)), timeout=60)
+        # a partial of a module-level function: it travels to an engine in its own process
+        report = await asyncio.wait_for(engine.acall(functools.partial(cache_report, tenant=tenant)),
+                                        timeout=60)
         if format == "text":
             return Response(render_text(report).encode("utf-8", "backslashreplace"),
                             media_type="text/plain; charset=utf-8")

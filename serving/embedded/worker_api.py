@@ -48,7 +48,7 @@ class WorkerState:
     @property
     def status(self) -> str:
         if not self.engine.alive:
-            return "stopped" if getattr(self.engine, "_thread", None) is not None else "starting"
+            return "stopped" if self.engine.started else "starting"
         return "draining" if self.draining else "ready"
 
 
@@ -65,8 +65,7 @@ def load_snapshot(engine) -> dict[str, Any]:
     page = s.get("page_size", 1)
     running = int(q.get("running", 0))
     waiting = int(q.get("waiting", 0)) + int(q.get("loading", 0))
-    # a racy read of one int: good enough for a load report
-    held = max(0, int(dev.get("used", 0)) - int(getattr(engine.manager, "evictable_device_pages", 0)))
+    held = max(0, int(dev.get("used", 0)) - int(dev.get("evictable", 0)))
     used, cap = held * page, int(dev.get("capacity", 0)) * page
     max_running = engine.config.max_batch
     hit = (s.get("cache") or {}).get("device_hit_rate") or 0.0
@@ -107,13 +106,17 @@ def server_info(engine, state: WorkerState) -> dict[str, Any]:
 def flush(engine) -> tuple[bool, str]:
     """Drop every cached prefix (device, then host) when no request is in flight, as SGLang's
     ``/flush_cache`` does; refused otherwise (a running request holds its prefix)."""
-    def run(eng) -> tuple[bool, str]:
-        q = eng.scheduler.counts()
-        if sum(q.values()) or eng.manager.loads_in_flight:
-            return False, "requests or loads in flight; nothing flushed"
-        dev, host = eng.manager.flush()
-        return True, f"flushed {dev} device and {host} host pages"
-    return engine.call(run)
+    return engine.call(flush_when_idle)
+
+
+def flush_when_idle(eng) -> tuple[bool, str]:
+    """:func:`flush` on the engine thread (a module-level function: it travels to an engine in
+    its own process)."""
+    q = eng.scheduler.counts()
+    if sum(q.values()) or eng.manager.loads_in_flight:
+        return False, "requests or loads in flight; nothing flushed"
+    dev, host = eng.manager.flush()
+    return True, f"flushed {dev} device and {host} host pages"
 
 
 def health_response(engine, state: WorkerState) -> Response:

@@ -3,7 +3,7 @@
 ``load_model(name_or_path, device="cpu", dtype=None) -> (LlamaModel, ChatTokenizer, LlamaConfig)``
 where ``name_or_path`` is a preset (``smollm2-135m`` default, ``tiny-random``,
 ``llama-3.1-8b-shape``), a local HF Llama dir (safetensors + config.json + tokenizer.json), or a
-``.gguf`` file. See ``llama.py`` for the forward and ``tokenizer.py`` for chat templates.
+``.gguf`` file; ``load_tokenizer`` the same without the weights. See ``llama.py`` for the forward and ``tokenizer.py`` for chat templates.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .generate import greedy_generate
 from .llama import LlamaModel
 from .tokenizer import ChatTokenizer, DetokenizeStream
 
-__all__ = ["load_model", "LlamaModel", "LlamaConfig", "ChatTokenizer", "DetokenizeStream",
+__all__ = ["load_model", "load_tokenizer", "LlamaModel", "LlamaConfig", "ChatTokenizer", "DetokenizeStream",
            "PRESETS", "DEFAULT_MODEL", "get_preset", "config_from_path", "greedy_generate"]
 
 _RANDOM = ("tiny-random", "llama-3.1-8b-shape")
@@ -27,12 +27,27 @@ _RANDOM = ("tiny-random", "llama-3.1-8b-shape")
 def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: str | None = None,
                ) -> tuple[LlamaModel, ChatTokenizer, LlamaConfig]:
     """Build a model + tokenizer. ``dtype`` overrides the weights/KV dtype (e.g. "float32")."""
-    if name_or_path in _RANDOM:
-        cfg = get_preset(name_or_path)
-        cfg = cfg.replace(dtype=dtype) if dtype else cfg
+    path, cfg = _resolve(name_or_path, dtype)
+    if path is None:
         if cfg.num_layers >= 16 and torch.device(device).type == "cpu":
             raise ValueError(f"{name_or_path} is a GPU-sized random model; use device='cuda'")
         return LlamaModel.random(cfg, device), ChatTokenizer.byte_level(), cfg
+    return LlamaModel.from_dir(path, cfg, device), ChatTokenizer.from_dir(path), cfg
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype: str | None = None,
+                   ) -> tuple[ChatTokenizer, LlamaConfig]:
+    """The tokenizer and config of what :func:`load_model` would load, without its weights
+    (the HTTP side of ``kvflow serve --engine-process``)."""
+    path, cfg = _resolve(name_or_path, dtype)
+    return (ChatTokenizer.byte_level() if path is None else ChatTokenizer.from_dir(path)), cfg
+
+
+def _resolve(name_or_path: str, dtype: str | None) -> tuple[Path | None, LlamaConfig]:
+    """(model dir, config); no dir for a random-weight preset."""
+    if name_or_path in _RANDOM:
+        cfg = get_preset(name_or_path)
+        return None, (cfg.replace(dtype=dtype) if dtype else cfg)
     if name_or_path == "smollm2-135m":
         from .gguf_loader import ensure_converted
         path, name = ensure_converted(), "smollm2-135m"
@@ -46,5 +61,4 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype: st
         get_preset(name_or_path)  # raises a helpful "unknown preset" error
         raise AssertionError
     cfg = config_from_path(path).replace(name=name)
-    cfg = cfg.replace(dtype=dtype) if dtype else cfg
-    return LlamaModel.from_dir(path, cfg, device), ChatTokenizer.from_dir(path), cfg
+    return path, (cfg.replace(dtype=dtype) if dtype else cfg)
