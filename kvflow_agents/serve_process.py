@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["ServeProcess", "ServerStartError", "free_port"]
+__all__ = ["ServeProcess", "ServerStartError", "free_port", "process_tree"]
 
 
 class ServerStartError(RuntimeError):
@@ -39,6 +39,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (a server's engine process, its tokenizer helper),
+    from ``/proc`` (Linux; ``[pid]`` elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return [pid]
+    for e in entries:
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after "(comm)": comm may hold spaces
+        except (OSError, IndexError, ValueError):  # ended meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(e))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
 
 
 def _tail(path: Path, lines: int = 40, max_bytes: int = 64_000) -> str:

@@ -14,6 +14,10 @@ time of the load. Combinations are measured in turn within each repetition, the 
 every other one, and each is compared with the first combination (the baseline, ``asyncio`` +
 ``h11``: uvicorn's pure-Python path) measured in the same repetition.
 
+By default the servers run the engine on a thread of the HTTP process (``--engine-thread``), the
+setting above; with ``engine_process`` (``kvflow bench http --engine-process``) in its own
+process, whose threads are counted too (the engine thread is still the busiest one).
+
 Linux only (``/proc``); a thread that ends during the load is not counted (the server's threads
 live as long as it does).
 """
@@ -83,16 +87,24 @@ class FrontendRow:
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of every thread of ``pid``, by thread id."""
+    """CPU seconds (user + system) of every thread of ``pid`` and of the processes below it (the
+    engine process of ``--engine-process``), by thread id."""
+    from kvflow_agents.serve_process import process_tree
+
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[int, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for p in process_tree(pid):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": comm may hold spaces
-        except OSError:  # the thread ended meanwhile
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:  # the process ended meanwhile
             continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": comm may hold spaces
+            except OSError:  # the thread ended meanwhile
+                continue
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
@@ -149,14 +161,16 @@ def drive(url: str, *, requests: int, concurrency: int, tokens: int, stream: boo
 
 
 def measure_once(loop: str, http: str, *, requests: int, concurrency: int, tokens: int,
-                 stream: bool, warmup: int = 8, command: Optional[Sequence[str]] = None) -> Sample:
+                 stream: bool, warmup: int = 8, command: Optional[Sequence[str]] = None,
+                 engine_process: bool = False) -> Sample:
     """One ``kvflow serve`` with ``--loop loop --http http`` under the load (module doc)."""
     import httpx
 
     from kvflow_agents.serve_process import ServeProcess
 
     args = ["--model", "tiny-random", "--policy", "kvflow", "--torch-threads", "1",
-            "--log-level", "warning", "--loop", loop, "--http", http]
+            "--log-level", "warning", "--loop", loop, "--http", http,
+            "--engine-process" if engine_process else "--engine-thread"]
     with ServeProcess(args, command=command) as srv:
         with httpx.Client(timeout=120) as c:  # the prompts into the cache, the code paths warm
             for k in range(warmup):
@@ -195,7 +209,7 @@ def summarize(samples: Sequence[Sample], combos: Sequence[tuple[str, str]]) -> l
 def run_http_bench(*, combos: Optional[Sequence[tuple[str, str]]] = None, requests: int = 320,
                    concurrency: int = 8, tokens: int = 32, reps: int = 3, stream: bool = True,
                    progress: Optional[Callable[[str], None]] = None,
-                   command: Optional[Sequence[str]] = None) -> list[FrontendRow]:
+                   command: Optional[Sequence[str]] = None, engine_process: bool = False) -> list[FrontendRow]:
     """Every combination (default: :func:`installed_combos`) ``reps`` times, interleaved
     (module doc)."""
     combos = list(combos) if combos else installed_combos()
@@ -208,7 +222,8 @@ def run_http_bench(*, combos: Optional[Sequence[tuple[str, str]]] = None, reques
             if progress:
                 progress(f"repetition {r + 1}/{reps}: --loop {loop} --http {http}")
             samples.append(measure_once(loop, http, requests=requests, concurrency=concurrency,
-                                        tokens=tokens, stream=stream, command=command))
+                                        tokens=tokens, stream=stream, command=command,
+                                        engine_process=engine_process))
     return summarize(samples, combos)
 
 

@@ -73,14 +73,20 @@ class Row:
 
 # ================================================================ small helpers
 def rss_mb(pid: int) -> float:
-    """Resident set size of a process in MB (Linux /proc; NaN elsewhere)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return math.nan
+    """Resident set size in MB of a server process and the processes below it (its engine
+    process, ``kvflow serve --engine-process``; Linux /proc; NaN elsewhere)."""
+    from kvflow_agents.serve_process import process_tree
+
+    total, found = 0.0, False
+    for p in process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+                    found = True
+        except OSError:
+            pass
+    return total if found else math.nan
 
 
 def metric(text: str, name: str) -> float:

@@ -38,6 +38,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         stream: bool = typer.Option(True, help="Stream the responses (SSE, one event per token)."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here ('-': stdout only)."),
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
+        engine_process: bool = typer.Option(
+            False, "--engine-process/--engine-thread", help="The servers' engine in a process of "
+            "its own (kvflow serve's default) or on a thread beside the event loop, sharing its "
+            "GIL (what this bench is for)."),
     ) -> None:
         """What the HTTP side costs per request: one `kvflow serve` (tiny-random) per --loop /
         --http combination under the same load, the event loop's and the engine thread's CPU
@@ -55,13 +59,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             try:
                 rows = http_side.run_http_bench(
                     combos=chosen, requests=requests, concurrency=concurrency, tokens=tokens,
-                    reps=reps, stream=stream,
+                    reps=reps, stream=stream, engine_process=engine_process,
                     progress=lambda s: status.update(f"measuring: {s} …") if json_out != "-" else None)
             except RuntimeError as e:
                 raise typer.BadParameter(str(e)) from None
         doc = {"bench": "http", "model": "tiny-random", "requests": requests,
                "concurrency": concurrency, "tokens": tokens, "reps": reps, "stream": stream,
-               "command": command_line("http"), "results": [r.as_dict() for r in rows]}
+               "engine_process": engine_process, "command": command_line("http"), "results": [r.as_dict() for r in rows]}
         title = (f"kvflow bench http: {requests} {'streamed ' if stream else ''}requests x {tokens} "
                  f"tokens, {concurrency} at a time, medians of {reps}")
         emit_document(console, doc, http_side.render_table(rows, title), json_out=json_out,

@@ -150,11 +150,12 @@ def test_an_engine_that_cannot_start_says_why():
         EngineCoreClient(**{**ENGINE_KW, "device": "cuda"})
 
 
-def test_kvflow_serve_engine_process_serves_the_openai_client():
-    from kvflow_agents.serve_process import ServeProcess
+def test_kvflow_serve_runs_its_engine_in_a_process_of_its_own_by_default():
+    from kvflow_agents.serve_process import ServeProcess, process_tree
 
     with ServeProcess(["--model", "tiny-random", "--policy", "kvflow", "--device-tokens", "2048",
-                       "--torch-threads", "1", "--engine-process"], timeout_s=120) as srv:
+                       "--torch-threads", "1"], timeout_s=120) as srv:
+        assert len(process_tree(srv.proc.pid)) >= 2  # the server and its engine process
         client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
         out = client.chat.completions.create(model="tiny-random", messages=_messages(4), max_tokens=5,
                                              extra_body={"ignore_eos": True})

@@ -10,9 +10,11 @@ from kvflow_agents.serving.policy import KVFlowPolicy
 
 
 def serve_without_uvicorn(monkeypatch, flags, find_spec: "dict | None" = None):
-    """``kvflow serve --model tiny-random --device-tokens 512 FLAGS`` with the real engine and
-    app, uvicorn's ``run`` replaced: ``(result, engine or None, uvicorn.run's keywords)``.
-    ``find_spec``: module name -> installed? (the rest as they are)."""
+    """``kvflow serve --model tiny-random --device-tokens 512 --engine-thread FLAGS`` with the
+    real engine and app, uvicorn's ``run`` replaced: ``(result, engine or None, uvicorn.run's
+    keywords)``; on a thread, so the tests can read the engine's state the flags set (the
+    engine process: tests/serving/test_engine_process.py). ``find_spec``: module name ->
+    installed? (the rest as they are)."""
     import importlib.util
 
     import uvicorn
@@ -23,7 +25,8 @@ def serve_without_uvicorn(monkeypatch, flags, find_spec: "dict | None" = None):
             (object() if find_spec[name] else None) if name in find_spec else real(name, *a)))
     seen: dict = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw, engine=app.state.engine))
-    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512"] + flags,
+    r = CliRunner().invoke(app, ["serve", "--model", "tiny-random", "--device-tokens", "512",
+                                 "--engine-thread"] + flags,
                            env={"COLUMNS": "200"})
     return r, seen.pop("engine", None), seen
 
