@@ -7,8 +7,9 @@ benchmarks (``kvflow bench``) and the PEER example share.
 The server runs as ``<this python> -m kvflow_agents.cli.main serve ARGS --host H --port P``
 (the same interpreter, so a venv's ``kvflow`` is used even when it is not on ``PATH``; another
 ``command`` can stand in, e.g. in tests) in its own session, so :meth:`ServeProcess.stop`
-signals its whole process group. Its stdout/stderr go to a temporary log file, never to a pipe
-(a chatty server cannot block on a full pipe). :meth:`ServeProcess.start` polls
+signals its whole process group; a SIGTERM to the process that started it stops it too (where
+that process had no handler of its own: :func:`_exit_cleanly_on_sigterm`). Its stdout/stderr
+go to a temporary log file, never to a pipe (a chatty server cannot block on a full pipe). :meth:`ServeProcess.start` polls
 ``GET /health`` until it answers 200; if the process exits first, or the timeout passes, it
 stops the process, keeps the log and raises :class:`ServerStartError` with the log's tail. A
 port it picked itself that was taken before the server bound it (servers starting side by
@@ -77,6 +78,24 @@ def _tail(path: Path, lines: int = 40, max_bytes: int = 64_000) -> str:
     return "\n".join(got) if got else "(server wrote nothing)"
 
 
+def _exit_cleanly_on_sigterm() -> None:
+    """Make a SIGTERM to this process raise ``SystemExit`` where it would kill it outright, so
+    ``finally`` blocks and :mod:`atexit` (:meth:`ServeProcess.stop`) run: a server runs in a
+    session of its own and would outlive a benchmark stopped with ``kill`` or by a CI timeout.
+    A handler the program installed is left alone; so is any thread but the main one (only it
+    may set handlers)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+
+
+def _raise_system_exit(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 class ServeProcess:
     """One ``kvflow serve`` child process (module doc)."""
 
@@ -101,6 +120,7 @@ class ServeProcess:
         self._log = None
         self.keep_log = False  # set when start fails, so the log can still be read
         self.started_s = 0.0   # seconds from spawn to healthy
+        _exit_cleanly_on_sigterm()  # here, not in start(): a Cluster starts its servers on threads
 
     @property
     def argv(self) -> list[str]:

@@ -74,8 +74,8 @@ __all__ = ["Engine", "EngineConfig", "EngineInputError", "Completion", "StreamEv
 
 
 class EngineAPI:
-    """The public calls both engines share, written once over four primitives each provides:
-    ``make_request``, ``submit`` (the request's sink gets its events), ``abort`` and
+    """The public calls both engines share, written once over what each provides: a
+    ``requests`` builder, ``make_request``, ``submit`` (the request's sink gets its events), ``abort`` and
     ``_call_future`` (run ``fn(engine)`` on the engine thread). :class:`Engine` runs in this
     process; :class:`~.engine_core.EngineCoreClient` talks to one in its own process."""
 
@@ -135,6 +135,17 @@ class EngineAPI:
     def cache_report(self, timeout: Optional[float] = 30.0) -> dict:
         from .cache_view import cache_report
         return self.call(cache_report, timeout)
+
+    # Both engines tokenize and validate in the caller's process, with a RequestBuilder of their own.
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt accepted (:attr:`RequestBuilder.max_prompt_tokens`)."""
+        return self.requests.max_prompt_tokens
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Prompt text longer than this is over ``max_prompt_tokens`` whatever it says."""
+        return self.requests.max_prompt_chars
 
 
 class Engine(EngineAPI, EngineLoop):
@@ -284,16 +295,6 @@ class Engine(EngineAPI, EngineLoop):
         its hints count against for fair shares). The work is :class:`~.request_builder.RequestBuilder`'s."""
         return self.requests.build(messages=messages, prompt=prompt, prompt_ids=prompt_ids, params=params,
                                    max_tokens=max_tokens, hints=hints, sink=sink, tools=tools, tenant=tenant)
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        """The longest prompt accepted (:attr:`RequestBuilder.max_prompt_tokens`)."""
-        return self.requests.max_prompt_tokens
-
-    @property
-    def max_prompt_chars(self) -> int:
-        """Prompt text longer than this is over ``max_prompt_tokens`` whatever it says."""
-        return self.requests.max_prompt_chars
 
     # ================================================================ thread-safe API
     def submit(self, req: Request) -> str:

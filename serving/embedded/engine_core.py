@@ -293,14 +293,6 @@ class EngineCoreClient(EngineAPI):
     def capacity_tokens(self) -> Optional[int]:
         return self.info["capacity_tokens"]
 
-    @property
-    def max_prompt_tokens(self) -> int:
-        return self.requests.max_prompt_tokens
-
-    @property
-    def max_prompt_chars(self) -> int:
-        return self.requests.max_prompt_chars
-
     def shutdown(self, timeout: float = 10.0) -> None:
         self._send(("stop",))
         self._proc.join(timeout)

@@ -1,9 +1,15 @@
 """``ServeProcess`` (the launcher of ``kvflow bench`` and the PEER example) on real ``kvflow
-serve`` processes: a port it picked that something else took before the server bound it."""
+serve`` processes: a port it picked that something else took before the server bound it; a SIGTERM to
+the process that started a server."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import httpx
 import pytest
@@ -39,3 +45,40 @@ def test_a_port_the_caller_chose_is_not_changed(taken_port):
         srv.start()
     assert srv.port == taken_port
     srv.log_path.unlink()
+
+
+PARENT = """
+import sys, time
+from kvflow_agents.serve_process import ServeProcess, process_tree
+srv = ServeProcess(sys.argv[1:], timeout_s=120).start()
+print(*process_tree(srv.proc.pid), flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_sigterm_to_the_process_that_started_a_server_stops_the_server_and_its_engine_process():
+    """A benchmark stopped with ``kill`` (or a CI timeout) must not leave its servers running:
+    they run in sessions of their own, so nothing else would stop them."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, *ARGS], stdout=subprocess.PIPE, text=True)
+    try:
+        tree = [int(p) for p in parent.stdout.readline().split()]
+        assert len(tree) >= 2, tree  # the HTTP server and its engine process (the default layout)
+        assert all(_alive(p) for p in tree)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in tree if _alive(p)] == []
+    finally:
+        parent.kill()
+        parent.wait(10)
