@@ -12,6 +12,7 @@ from .bench_cmds import (
     _HINTS_HELP,
     _OTHER_PYTHON_HELP,
     _SERVER_FLAG_HELP,
+    _SERVER_THREADS_HELP,
     _VARIANT_HELP,
     _hint_mode,
     _other_checkout,
@@ -21,6 +22,7 @@ from .bench_cmds import (
     _run_and_report,
     _runs_policy,
     _server_flags,
+    _server_threads,
     _variants_json,
     command_line,
 )
@@ -61,6 +63,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         policy_variant: Optional[List[str]] = typer.Option(None, help=_VARIANT_HELP),
         other_python: Optional[str] = typer.Option(None, help=_OTHER_PYTHON_HELP),
         server_flag: Optional[List[str]] = typer.Option(None, help=_SERVER_FLAG_HELP),
+        server_threads: Optional[int] = typer.Option(None, min=0, help=_SERVER_THREADS_HELP),
         next_run: bool = typer.Option(True, help="The app's hints name the next question's planner while "
                                       "the reviewer runs (kvflow.instrument(next_run=True)): questions come "
                                       "one after another."),
@@ -90,6 +93,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         pols, variants = _policy_variants(policy_variant, _policies(policies))
         pols, variants, commands = _other_checkout(other_python, pols, variants)
         extra_args = _server_flags(server_flag)
+        threads = _server_threads(server_threads)
         for given, hint in ((extra_args, "--server-flag"), (commands, "--other-python"),
                             (variants, "--policy-variant")):
             if given and base_url:
@@ -134,7 +138,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 console.print(f"[dim]calibrating the emulated host link on {model} …[/]")
                 cal = calibrate_link(model, int(sum(fixed_toks.values()) / len(fixed_toks)),
                                      counter=token_counter(model), dynamic=64, page_size=page_size,
-                                     load_fraction=load_fraction, samples=2)
+                                     load_fraction=load_fraction, samples=2, torch_threads=threads)
                 console.print(cal.describe())
                 meta["calibration"] = cal.as_dict()
                 link = cal.link_gbps
@@ -143,10 +147,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                           + (f"{link:.4g} GB/s (EMULATED)" if link else "real copy speed"))
             server = ServerConfig(model=model, device_tokens=dev, host_tokens=host_tokens,
                                   page_size=page_size, host_link_gbps=link, lookahead=lookahead,
-                                  extra_args=extra_args, variants=variants, commands=commands)
+                                  torch_threads=threads, extra_args=extra_args, variants=variants,
+                                  commands=commands)
             meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host_tokens,
                               "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
-                              "extra_args": list(extra_args), "fixed_prompt_tokens": fixed_toks,
+                              "torch_threads": threads, "extra_args": list(extra_args), "fixed_prompt_tokens": fixed_toks,
                               "variants": _variants_json(variants), "commands": commands}
         meta["command"] = command_line("peer")
         title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "

@@ -68,3 +68,39 @@ def test_peer_fresh_servers_refused_with_base_url():
     r = CliRunner().invoke(app, ["bench", "peer", "--fresh-servers", "--base-url", "http://127.0.0.1:9/v1"],
                            env={"COLUMNS": "200"})
     assert r.exit_code == 2 and "--fresh-servers" in r.output
+
+
+@pytest.mark.parametrize("flag, expected", [([], None), (["--server-threads", "0"], None),
+                                            (["--server-threads", "1"], 1)])
+def test_peer_servers_leave_the_client_a_core_and_the_link_is_calibrated_on_as_many(monkeypatch, flag, expected):
+    """The PEER client runs on the same machine: by default the servers' torch threads are one
+    fewer than the cores (as in ``bench workflow``), and the link's calibration times the
+    recompute with the same threads, so the load keeps its fraction of what the servers pay."""
+    from types import SimpleNamespace
+
+    from kvflow_agents.bench import calibrate, peer
+    from kvflow_agents.bench.server import client_core_threads
+
+    seen: dict = {}
+
+    def fake_calibrate(model, fixed, **kw):
+        seen["calibration_threads"] = kw.get("torch_threads")
+        return SimpleNamespace(link_gbps=0.5, describe=lambda: "calibrated", as_dict=lambda: {})
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(qs, warm, opts, pols, server, **kw):
+        seen["server"] = server
+        raise Stop
+
+    monkeypatch.setattr(calibrate, "calibrate_link", fake_calibrate)
+    monkeypatch.setattr(peer, "run_peer_bench", fake_run)
+    r = CliRunner().invoke(app, ["bench", "peer", "--model", "tiny-random", "--policies", "hicache,kvflow",
+                                 "--no-progress", *flag],
+                           env={"COLUMNS": "200"})
+    assert isinstance(r.exception, Stop), r.output
+    threads = client_core_threads() if not flag else expected
+    assert seen["server"].torch_threads == threads == seen["calibration_threads"]
+    argv = seen["server"].args("kvflow")
+    assert (f"--torch-threads {threads}" in " ".join(argv)) == (threads is not None)
