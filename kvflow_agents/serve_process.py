@@ -9,8 +9,8 @@ The server runs as ``<this python> -m kvflow_agents.cli.main serve ARGS --host H
 ``command`` can stand in, e.g. in tests) in its own session, so :meth:`ServeProcess.stop`
 signals its whole process group; a SIGTERM to the process that started it stops it too (where
 that process had no handler of its own: :func:`_exit_cleanly_on_sigterm`). Its stdout/stderr
-go to a temporary log file, never to a pipe (a chatty server cannot block on a full pipe). :meth:`ServeProcess.start` polls
-``GET /health`` until it answers 200; if the process exits first, or the timeout passes, it
+go to a temporary log file, never to a pipe (a chatty server cannot block on a full pipe).
+:meth:`ServeProcess.start` polls ``GET /health`` until it answers 200; if the process exits first, or the timeout passes, it
 stops the process, keeps the log and raises :class:`ServerStartError` with the log's tail. A
 port it picked itself that was taken before the server bound it (servers starting side by
 side: an SGLang server picks internal ports of its own) is picked again, twice at most.
@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -84,8 +85,6 @@ def _exit_cleanly_on_sigterm() -> None:
     session of its own and would outlive a benchmark stopped with ``kill`` or by a CI timeout.
     A handler the program installed is left alone; so is any thread but the main one (only it
     may set handlers)."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:

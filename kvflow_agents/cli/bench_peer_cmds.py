@@ -151,7 +151,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                   commands=commands)
             meta["server"] = {"model": model, "device_tokens": dev, "host_tokens": host_tokens,
                               "page_size": page_size, "host_link_gbps": link, "lookahead": lookahead,
-                              "torch_threads": threads, "extra_args": list(extra_args), "fixed_prompt_tokens": fixed_toks,
+                              "torch_threads": threads, "extra_args": list(extra_args),
+                              "fixed_prompt_tokens": fixed_toks,
                               "variants": _variants_json(variants), "commands": commands}
         meta["command"] = command_line("peer")
         title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "

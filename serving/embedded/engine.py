@@ -75,8 +75,8 @@ __all__ = ["Engine", "EngineConfig", "EngineInputError", "Completion", "StreamEv
 
 class EngineAPI:
     """The public calls both engines share, written once over what each provides: a
-    ``requests`` builder, ``make_request``, ``submit`` (the request's sink gets its events), ``abort`` and
-    ``_call_future`` (run ``fn(engine)`` on the engine thread). :class:`Engine` runs in this
+    ``requests`` builder, ``make_request``, ``submit`` (the request's sink gets its events),
+    ``abort`` and ``_call_future`` (run ``fn(engine)`` on the engine thread). :class:`Engine` runs in this
     process; :class:`~.engine_core.EngineCoreClient` talks to one in its own process."""
 
     def call(self, fn: Callable[["Engine"], Any], timeout: Optional[float] = 30.0) -> Any:

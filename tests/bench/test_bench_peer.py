@@ -72,7 +72,8 @@ def test_peer_fresh_servers_refused_with_base_url():
 
 @pytest.mark.parametrize("flag, expected", [([], None), (["--server-threads", "0"], None),
                                             (["--server-threads", "1"], 1)])
-def test_peer_servers_leave_the_client_a_core_and_the_link_is_calibrated_on_as_many(monkeypatch, flag, expected):
+def test_peer_servers_leave_the_client_a_core_and_the_link_is_calibrated_on_as_many(
+        monkeypatch, flag, expected):
     """The PEER client runs on the same machine: by default the servers' torch threads are one
     fewer than the cores (as in ``bench workflow``), and the link's calibration times the
     recompute with the same threads, so the load keeps its fraction of what the servers pay."""
