@@ -342,6 +342,9 @@ class EngineCoreClient(EngineAPI):
             pass
         except Exception:  # noqa: BLE001 - a message this side cannot read: treat as gone
             log.exception("engine process pipe failed")
+        # EOF comes as the process dies, a moment before it can be reaped: wait that moment,
+        # or a killed process reads as alive ("stopped answering") and its exit code is lost.
+        self._proc.join(2.0)
         self._close(f"the engine process exited (exit code {self._proc.exitcode})"
                     if not self._proc.is_alive() else "the engine process stopped answering")
 
