@@ -1,5 +1,5 @@
 """``kvflow bench aiperf``: NVIDIA's AIPerf (a client we did not write) against ``kvflow serve``,
-per policy (helpers shared with ``bench workflow`` live in :mod:`.bench_cmds`)."""
+per policy (helpers shared with ``bench workflow`` live in :mod:`.bench_options`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from .bench_cmds import (
+from .bench_options import (
     _DEFAULT_POLICIES,
     _HINTS_HELP,
     _OTHER_PYTHON_HELP,

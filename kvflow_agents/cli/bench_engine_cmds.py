@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from .bench_cmds import _DEFAULT_POLICIES, _policies, command_line, emit_document, escape
+from .bench_options import _DEFAULT_POLICIES, _policies, command_line, emit_document, escape
 
 
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .bench_cmds import command_line, emit_document
+from .bench_options import command_line, emit_document
 
 
 def _combos(text: str) -> list[tuple[str, str]]:

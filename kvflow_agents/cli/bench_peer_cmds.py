@@ -1,5 +1,5 @@
 """``kvflow bench peer``: the PEER example (LangGraph or AutoGen) as the workload, one embedded
-server per policy (helpers shared with ``bench workflow`` live in :mod:`.bench_cmds`)."""
+server per policy (helpers shared with ``bench workflow`` live in :mod:`.bench_options`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from .bench_cmds import (
+from .bench_options import (
     _DEFAULT_POLICIES,
     _HINTS_HELP,
     _OTHER_PYTHON_HELP,

@@ -32,7 +32,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         from kvflow_agents.bench import reliability as rel
         from kvflow_agents.bench.server import ServerStartError
-        from kvflow_agents.cli.bench_cmds import _progress, command_line, escape
+        from kvflow_agents.cli.bench_options import _progress, command_line, escape
 
         plan = rel.Plan.quick() if quick else rel.Plan()
         if fuzz_cases:

@@ -296,7 +296,7 @@ def test_progress_bars_grow_when_a_run_makes_more_calls_than_estimated():
 
     from rich.console import Console
 
-    from kvflow_agents.cli.bench_cmds import _progress
+    from kvflow_agents.cli.bench_options import _progress
 
     out = io.StringIO()
     console = Console(file=out, width=80, force_terminal=False)
