@@ -339,12 +339,11 @@ class EngineCoreClient(EngineAPI):
                         else:
                             fut.set_exception(msg[3])
         except (EOFError, OSError):
-            pass
+            # EOF comes as the process dies, a moment before it can be reaped: wait that
+            # moment, or a killed process reads as alive ("stopped answering"), its exit code lost
+            self._proc.join(2.0)
         except Exception:  # noqa: BLE001 - a message this side cannot read: treat as gone
             log.exception("engine process pipe failed")
-        # EOF comes as the process dies, a moment before it can be reaped: wait that moment,
-        # or a killed process reads as alive ("stopped answering") and its exit code is lost.
-        self._proc.join(2.0)
         self._close(f"the engine process exited (exit code {self._proc.exitcode})"
                     if not self._proc.is_alive() else "the engine process stopped answering")
 
