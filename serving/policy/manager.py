@@ -9,7 +9,8 @@ It wires the parts of the policy core together and forwards to them:
   priority index, client caps, app-prefix memory, boundary inference;
 - :class:`~.prefetch.Prefetcher` (``prefetcher``): candidates -> budget -> planner -> start;
 - :class:`~.toolgap.ToolGaps` (``gaps``): resume tags for agents waiting on a tool
-  (``kvflow_tool_s`` hints), timed by the tool's expected duration;
+  (``kvflow_tool_s`` hints), timed by the tool's expected duration, and for agents whose
+  prompts extend their last turn (turn gaps, at the agent's own STE);
 - :mod:`.inspection`: ``snapshot()``, ``check_invariants()``.
 
 Engines talk to it through per-request sessions (:mod:`.session`): ``arrive`` -> ``poll`` ->
@@ -136,7 +137,7 @@ class KVCacheManager:
         now = self.backend.now()
         wf = None
         if hints is not None:
-            self.gaps.arrived(hints.workflow, hints.agent, getattr(hints, "app", None), now)
+            self.gaps.arrived(hints.workflow, hints.agent, getattr(hints, "app", None), now, tokens)
             self.apply_hints(hints, sender=True, plan=False, client=client)
             s.tag = (workflow_key(hints.workflow, getattr(hints, "app", None)), hints.agent)
             self.prefetcher.hold(s.tag)  # its own request decides how its prefix comes back
@@ -219,7 +220,8 @@ class KVCacheManager:
         self._running.pop(id(s), None)
         h = s.hints
         if h is not None and s.written:  # what its resumed turn would start with
-            self.gaps.finished(h.workflow, h.agent, getattr(h, "app", None), s.written)
+            self.gaps.finished(h.workflow, h.agent, getattr(h, "app", None), s.written,
+                               now=self.backend.now())
 
     def _host_load_s(self, node: Any) -> float:
         """Link time to bring ``node``'s host-only path back (0 when it is on device)."""

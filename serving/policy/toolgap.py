@@ -1,5 +1,5 @@
-"""Tool gaps: while an agent waits on a tool, keep (or bring back in time) the start of its
-resumed turn.
+"""Gaps between an agent's turns: while an agent waits on a tool, or on the other agents of its
+workflow, keep (or bring back in time) the start of its next turn.
 
 A ReAct-style agent calls a tool and stops; the tool runs for a while; the agent's next request
 is its last one plus what it generated plus the tool's result. So that request's cached prefix
@@ -23,14 +23,30 @@ does not hold device room other agents need now, and the KV is back when the age
 The tag goes when the agent's next request arrives (its own request pins the path), when the
 workflow ends, or at ``expires_at`` (a tool far slower than measured: no plan any more).
 
-Invariants: T1 a resume tag exists only while its gap is open (between the tool hint and the
-agent's next request or the expiry); T2 its STE is ``hold_ste`` before ``resume_at - lead``
-and ``near_ste`` from then on; T3 without ``kvflow_tool_s`` nothing here runs (the policy is
-exactly the one without tool gaps).
+**Turn gaps** (no tool, no client hint). In a group chat (AutoGen) or a message-passing graph
+(LangGraph), an agent's next prompt is often its last one plus what the others said since: an
+AutoGen PEER reviewer's second call reuses 1,264 of the 1,292 tokens of its first, 224 of them
+past its fixed prompt. Those 224 are a dynamic suffix (+inf), so while the expresser runs in
+between they are the first thing evicted, and the reviewer loads them back on its critical
+path (RESULTS.md §6.42). :meth:`arrived` learns, per app and agent (per workflow without an
+app), whether the agent's new prompt extends its last turn by at least a page past its tagged
+fixed prefix; for an agent that does, :meth:`finished` opens a turn gap: the same resume tag on
+its last turn, whose STE follows the agent's own effective STE (:meth:`tick`), so the turn is
+kept exactly as long as the agent's fixed prompt is and prefetched with it. An agent whose next
+prompt stops extending its last turn unlearns it (one turn's protection is what a wrong guess
+costs). A tool hint turns a turn gap into a tool gap.
+
+Invariants: T1 a resume tag exists only while its gap is open (between the tool hint, or the
+end of a learned agent's turn, and the agent's next request, the expiry or the workflow's end);
+T2 a tool gap's STE is ``hold_ste`` before ``resume_at - lead`` and ``near_ste`` from then on,
+a turn gap's the agent's effective STE as of the last :meth:`tick`; T3 without
+``kvflow_tool_s`` and without an agent whose prompts extend its last turn past its fixed prefix
+nothing here runs (the policy is exactly the one without gaps); T4 an agent with no fixed
+prefix tagged is never learned (its fixed prompt alone would read as reuse).
 
 Pure Python, engine-agnostic: the manager calls :meth:`finished` (a request's written tokens),
-:meth:`waiting` (a tool hint), :meth:`arrived` (a request of that agent), :meth:`tick` and
-:meth:`release`.
+:meth:`waiting` (a tool hint), :meth:`arrived` (a request of that agent, with its prompt),
+:meth:`tick` and :meth:`release`.
 """
 
 from __future__ import annotations
@@ -40,6 +56,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from .boundary import common_prefix_len
 from .hints import workflow_key
 
 RESUME = "\u27f2"  # appended to an agent's name: its resume tag ("executor/agent⟲")
@@ -55,6 +72,7 @@ class Gap:
     resume_at: float
     expires_at: float
     ste: float = INF
+    kind: str = "tool"   # "tool": planned from the tool's duration; "turn": the agent's own STE
 
 
 def resume_agent(agent: str) -> str:
@@ -76,20 +94,32 @@ class ToolGaps:
         # (wf key, agent) -> (last turn's tokens, how to find its node: None = the book's locate)
         self.last: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.gaps: dict[tuple, Gap] = {}                         # (wf key, agent) -> open gap
+        # (app, agent), or (wf key, agent) without an app, whose prompts extend its last turn
+        self.extends: "OrderedDict[tuple, bool]" = OrderedDict()
         self.opened = self.closed_by_request = self.expired = 0
+        self.turns_opened = 0
 
     # ------------------------------------------------------------------ events
     def finished(self, workflow: str, agent: str, app: str | None, tokens: Sequence[int],
-                 locate: Callable[[tuple], Any] | None = None) -> None:
+                 locate: Callable[[tuple], Any] | None = None, now: float | None = None) -> None:
         """A request of ``agent`` finished with ``tokens`` (prompt + generated, with KV) cached.
         ``locate``: how to find that turn's node when a gap opens, for an engine whose tree
         keys more than tokens (SGLang: the request's LoRA / cache-salt namespace); None: the
-        tag book's own."""
+        tag book's own. ``now``: with it, an agent learned to extend its turns gets a turn gap
+        (module doc); without it, only the turn is recorded."""
         key = (workflow_key(workflow, app), agent)
         self.last[key] = (tuple(tokens), locate)
         self.last.move_to_end(key)
         while len(self.last) > self.max_tracked:
             self.last.popitem(last=False)
+        if now is None or key in self.gaps or not self.extends.get(self._learn_key(key, app)):
+            return
+        gap = Gap(workflow, app, agent, now, INF, INF, kind="turn")
+        self.gaps[key] = gap
+        self.tags.tag_fixed_prefix(tokens, len(tokens), workflow, resume_agent(agent), app=app,
+                                   locate=locate, remember=False)
+        self.turns_opened += 1
+        self._set(gap, self._plan(gap, now), now)
 
     def waiting(self, workflow: str, app: str | None, tool_s: dict, now: float) -> list[str]:
         """A tool step started; ``tool_s``: agents that resume after it -> expected seconds.
@@ -110,20 +140,49 @@ class ToolGaps:
             out.append(agent)
         return out
 
-    def arrived(self, workflow: str, agent: str, app: str | None, now: float) -> None:
-        """A request of ``agent`` arrived: its own request takes over; the gap closes."""
-        gap = self.gaps.pop((workflow_key(workflow, app), agent), None)
+    def arrived(self, workflow: str, agent: str, app: str | None, now: float,
+                tokens: Sequence[int] | None = None) -> None:
+        """A request of ``agent`` arrived: its own request takes over; the gap closes. With its
+        prompt ``tokens``: learn whether it extends the agent's last turn (module doc)."""
+        key = (workflow_key(workflow, app), agent)
+        if tokens is not None:
+            self._learn(key, workflow, agent, app, tokens)
+        gap = self.gaps.pop(key, None)
         if gap is not None:
             self.closed_by_request += 1
             self._set(gap, INF, now)
 
+    @staticmethod
+    def _learn_key(key: tuple, app: str | None) -> tuple:
+        return (app, key[1]) if app else key
+
+    def _learn(self, key: tuple, workflow: str, agent: str, app: str | None,
+               tokens: Sequence[int]) -> None:
+        """Does ``tokens`` reuse the agent's last turn at least a page past its fixed prefix?"""
+        last = self.last.get(key)
+        fixed = self.tags.fixed_prefix_len(workflow, agent, app)
+        if last is None or fixed <= 0:  # (T4)
+            return
+        ps = self.tags.page_size
+        extends = common_prefix_len(tokens, last[0], step=ps) >= fixed + ps
+        lk = self._learn_key(key, app)
+        if not extends:
+            self.extends.pop(lk, None)
+            return
+        self.extends[lk] = True
+        self.extends.move_to_end(lk)
+        while len(self.extends) > self.max_tracked:
+            self.extends.popitem(last=False)
+
     def tick(self, now: float) -> None:
-        """Move each open gap along its plan (hold -> near -> expired)."""
+        """Move each open gap along its plan (tool: hold -> near -> expired; turn: the agent's
+        STE)."""
         for key, gap in list(self.gaps.items()):
             ste = self._plan(gap, now)
-            if ste == INF:
+            if ste == INF:  # a tool far slower than planned, or an agent no longer expected
                 del self.gaps[key]
-                self.expired += 1
+                if gap.kind == "tool":
+                    self.expired += 1
             if ste != gap.ste:
                 self._set(gap, ste, now)
 
@@ -137,6 +196,8 @@ class ToolGaps:
 
     # ------------------------------------------------------------------ plan
     def _plan(self, gap: Gap, now: float) -> float:
+        if gap.kind == "turn":  # +inf while the agent is not expected: a dynamic suffix again
+            return self.tags.effective_ste((workflow_key(gap.workflow, gap.app), gap.agent))
         if now >= gap.expires_at:
             return INF
         node = self.tags.agent_node(gap.workflow, resume_agent(gap.agent), gap.app)
@@ -151,6 +212,8 @@ class ToolGaps:
         """When the next open gap moves on (for an engine that sleeps between steps)."""
         times = []
         for g in self.gaps.values():
+            if g.kind == "turn":  # moves with hints, not with time
+                continue
             if g.ste == self.near_ste:
                 times.append(g.expires_at)
             else:

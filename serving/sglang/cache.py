@@ -27,7 +27,8 @@ embedded engine and the simulator:
   path live in ``loads.py`` (:class:`~.loads.KVFlowLoads`, a mixin of this class).
 - :class:`~kvflow_agents.serving.policy.toolgap.ToolGaps` (``kv_gaps``): a tool hint
   (``kvflow_tool_s``) gives the waiting agent's whole last turn (SGLang's record of the finished
-  request) a resume tag in the same book, with its time plan (moved in :meth:`kvflow_expire`).
+  request) a resume tag in the same book, with its time plan (moved in :meth:`kvflow_expire`);
+  an agent whose prompts extend its last turn gets one at its own STE (a turn gap).
 - :class:`~kvflow_agents.serving.policy.admission.AdmissionOrder` (``kv_admission``): each
   queued request's admission key; ``hooks.after_calc_priority`` sorts SGLang's queue by it.
 - :mod:`~kvflow_agents.serving.policy.inspection`: the snapshot's agents and workflows.
@@ -338,7 +339,8 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
             req.kvflow_hints_taken = True
         except AttributeError:  # a request object that takes no attributes: step check only
             pass
-        self.kv_gaps.arrived(hints.workflow, hints.agent, hints.app, self._kv_now())
+        self.kv_gaps.arrived(hints.workflow, hints.agent, hints.app, self._kv_now(),
+                             getattr(req, "origin_input_ids", None))
         if self._stale(hints):
             self.kv_stats["stale_hints"] += 1
             return hints
@@ -453,7 +455,8 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
             self.kv_gaps.finished(info.workflow, info.agent, info.app,
                                   req.full_untruncated_fill_ids[:up_to],
                                   locate=None if extra is None and salt is None else
-                                  lambda prefix: self._locate(prefix, extra, salt))
+                                  lambda prefix: self._locate(prefix, extra, salt),
+                                  now=self._kv_now())
         if info.tagged:
             return
         try:

@@ -8,6 +8,7 @@ import math
 from policy_driver import make_manager
 
 from kvflow_agents.protocol import Hints
+from kvflow_agents.serving.policy.hints import workflow_key
 from kvflow_agents.serving.policy.toolgap import RESUME
 
 F, H, OUT = 10, 20, 6  # fixed prompt, dynamic history, generated tokens (page size 1)
@@ -61,10 +62,19 @@ def test_resume_tag_follows_its_plan_and_closes_on_the_next_request():
     assert m.tags.effective_ste(("w", "A" + RESUME)) == 1           # near: in time for the resume
     # the agent's next request closes the gap; its own request pins the path from now on
     m.clock.t = 2.0
-    s, p = turn(m, last + [4000, 4001], "w", "A", {"A": 0, "T": 1})
-    assert p.device_len == len(last) and s.reused == len(last)
+    s = m.arrive(last + [4000, 4001], Hints(workflow="w", agent="A", ste={"A": 0, "T": 1}), fixed_len=F)
     assert m.tags.effective_ste(("w", "A" + RESUME)) == math.inf and not m.gaps.gaps
     assert m.gaps.closed_by_request == 1
+    p = s.poll()
+    assert p.ready and s.admit()
+    s.commit()
+    assert p.device_len == len(last) and s.reused == len(last)
+    # that request extended A's last turn past its fixed prompt: A is learned, and when it
+    # finishes its turn stays tagged at A's own STE (a turn gap), not as a tool gap
+    s.finish(last + [4000, 4001], len(last) + 2)
+    gap = m.gaps.gaps[("w", "A")]
+    assert gap.kind == "turn" and m.tags.effective_ste(("w", "A" + RESUME)) == 0
+    assert m.gaps.turns_opened == 1 and m.gaps.opened == 1
 
 
 def test_a_tool_far_slower_than_measured_releases_the_tag():
@@ -108,3 +118,102 @@ def test_under_pressure_the_resumed_turn_finds_its_whole_last_turn_on_device():
     without, with_hint = resumed_session(None), resumed_session(1.0)
     assert with_hint.device_hit == F + H + OUT and with_hint.load_wait_s == 0
     assert without.device_hit < F + H + OUT and without.load_wait_s > 0
+
+
+# ---------------------------------------------------------------- turn gaps (no tool hint)
+def app_turn(m, tokens, wf, agent, ste, out=(), app="peer"):
+    s = m.arrive(tokens, Hints(workflow=wf, agent=agent, ste=ste, app=app), fixed_len=F,
+                 kv_tokens=len(tokens) + len(out))
+    p = s.poll()
+    while not p.ready:
+        m.clock.t = max(m.clock.t, p.ready_at or m.clock.t)
+        m.tick(m.clock.t)
+        p = s.poll()
+    assert s.admit()
+    s.commit()
+    seq = list(tokens) + list(out)
+    s.finish(seq, len(seq))
+    m.tick(m.clock.t)
+    return s, seq
+
+
+def reviewer_round(m, wf, *, extends=True, pressure_n=6):
+    """PEER's reviewer in a group chat: its first turn, then the expresser runs (others fill the
+    device meanwhile), then its second turn: the first one plus the expresser's new answer (or,
+    ``extends=False``, a fresh history after the same fixed prompt). Returns the second turn's
+    session (where its reused tokens were when it arrived)."""
+    q = 100_000 * (1 + int(wf[1:]))  # each question's own history and answers
+    fixed = list(range(1000, 1000 + F))
+    first = fixed + list(range(q, q + H))
+    _, written = app_turn(m, first, wf, "R", {"R": 0, "E": 1}, out=range(q + 100, q + 100 + OUT))
+    m.apply_hints(Hints(workflow=wf, agent="E", ste={"E": 0, "R": 1}, app="peer"))
+    for i in range(pressure_n):  # other apps' agents at STE 2: above dynamic suffixes, below R
+        toks = list(range(50_000 + 1000 * i + 100 * len(wf), 50_000 + 1000 * i + 100 * len(wf) + 24))
+        app_turn(m, toks, f"{wf}-o{i}", "B", {"B": 0}, app=None)
+        m.apply_hints(Hints(workflow=f"{wf}-o{i}", agent="B", ste={"B": 2}))
+    second = written + [q + 200, q + 201] if extends else fixed + list(range(q + 300, q + 300 + H))
+    s, _ = app_turn(m, second, wf, "R", {"R": 0, "E": 1}, out=range(q + 400, q + 400 + OUT))
+    assert (workflow_key(wf, "peer"), "R") in m.gaps.gaps or not extends
+    m.apply_hints(Hints(workflow=wf, agent="R", ste={}, event="end", app="peer"))  # as adapters do
+    assert not any(k[0] == workflow_key(wf, "peer") for k in m.gaps.gaps)
+    return s, len(written)
+
+
+def test_an_agent_that_extends_its_last_turn_keeps_it_at_its_own_ste():
+    """Learned in one workflow instance of the app (its second turn extended its first past the
+    fixed prompt), the reviewer's last turn is tagged at the reviewer's STE in the next instance,
+    so the other agents' prefixes (STE 2) are evicted before it and the second turn finds the
+    whole first turn on device. Without that instance, the turn's dynamic part is +inf and goes
+    first: the second turn reloads it from host (its wait on the critical path)."""
+    learned = make_manager("kvflow", device_pages=96, host_pages=512, link=200.0)
+    reviewer_round(learned, "q0")                                    # learns R (app "peer")
+    assert learned.gaps.extends == {("peer", "R"): True}
+    s, turn_len = reviewer_round(learned, "q1")
+    assert s.device_hit == turn_len and s.load_wait_s == 0
+
+    fresh = make_manager("kvflow", device_pages=96, host_pages=512, link=200.0)
+    s, turn_len = reviewer_round(fresh, "q1")
+    assert s.device_hit < turn_len and s.load_wait_s > 0
+
+
+def test_the_turn_gap_follows_the_agents_ste_and_closes():
+    m = make_manager("kvflow", device_pages=256, host_pages=512)
+    reviewer_round(m, "q0", pressure_n=0)
+    fixed = list(range(1000, 1000 + F))
+    _, written = app_turn(m, fixed + list(range(9000, 9000 + H)), "q1", "R", {"R": 0, "E": 1},
+                          out=range(9100, 9100 + OUT))
+    key = (workflow_key("q1", "peer"), "R")
+    tag = (key[0], "R" + RESUME)
+    assert m.gaps.gaps[key].kind == "turn" and m.tags.effective_ste(tag) == 0
+    assert m.tags.records[tag].tokens == tuple(written) and m.tags.node_of(tag) is not None
+    m.apply_hints(Hints(workflow="q1", agent="E", ste={"E": 0, "R": 1}, app="peer"))
+    m.tick(m.clock.t)
+    assert m.tags.effective_ste(tag) == 1                            # mirrors R
+    m.apply_hints(Hints(workflow="q1", agent="E", ste={"E": 0, "R": None}, app="peer"))
+    m.tick(m.clock.t)                                                # R no longer expected
+    assert m.tags.effective_ste(tag) == math.inf and not m.gaps.gaps
+    assert m.gaps.expired == 0                                       # (tool gaps' counter)
+
+
+def test_an_agent_that_stops_extending_its_turns_is_unlearned():
+    m = make_manager("kvflow", device_pages=256, host_pages=512)
+    reviewer_round(m, "q0", pressure_n=0)
+    assert ("peer", "R") in m.gaps.extends
+    reviewer_round(m, "q1", pressure_n=0, extends=False)            # a fresh history this time
+    assert ("peer", "R") not in m.gaps.extends
+    app_turn(m, list(range(1000, 1000 + F)) + list(range(9000, 9000 + H)), "q2", "R", {"R": 0})
+    assert (workflow_key("q2", "peer"), "R") not in m.gaps.gaps      # no turn gap any more
+
+
+def test_without_a_tagged_fixed_prefix_nothing_is_learned():
+    """T4: an agent with no fixed prefix (no boundary declared or inferred yet) would read its
+    fixed prompt as reuse of its last turn; it is not learned."""
+    m = make_manager("kvflow", device_pages=256, host_pages=512)
+    fixed = list(range(1000, 1000 + F))
+    for k in range(3):
+        s = m.arrive(fixed + [2000 + k], Hints(workflow="w", agent="A", ste={"A": 0}), fixed_len=0,
+                     kv_tokens=F + 2)
+        assert s.poll().ready and s.admit()
+        s.commit()
+        s.finish(fixed + [2000 + k, 3000], F + 2)
+    assert not m.gaps.extends and not m.gaps.gaps and m.gaps.turns_opened == 0

@@ -80,11 +80,46 @@ class ToolGapTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest
         reader, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t, self.turn)
         self.cache.match_prefix(MatchPrefixParams(key=key(self.turn), req=reader))
         self.assertEqual(self.cache.kv_metrics.prefetch_used, 2)   # A's prefix, then its turn
-        # and closes the gap: its own request pins the path now
+        # and closes the gap: its own request pins the path now; that request extended A's
+        # last turn, so when it finishes A's new turn is kept at A's own STE (a turn gap)
         run_request(self, self.cache, self.alloc, self.r2t, self.turn + seq(7000, 4),
                     hints("wf", "A", {"A": 0, "T": 1}, step=2, fixed_tokens=16))
-        self.assertEqual(self.ste(), math.inf)
         self.assertEqual((self.cache.kv_gaps.opened, self.cache.kv_gaps.closed_by_request), (1, 1))
+        self.assertEqual(self.cache.kv_gaps.gaps[("wf", "A")].kind, "turn")
+        self.assertEqual(self.ste(), 0)
+
+    def test_an_agent_that_extends_its_last_turn_keeps_it_without_a_tool_hint(self):
+        """A turn gap (no tool): A's next prompt extends its last turn past the fixed prompt,
+        so A is learned; from then on its finished turn is tagged at A's own STE and outlives
+        the untagged suffixes other requests leave."""
+        second = self.turn + seq(7000, 4)
+        run_request(self, self.cache, self.alloc, self.r2t, second,
+                    hints("wf", "A", {"A": 0, "T": 1}, step=1, fixed_tokens=16))
+        self.assertEqual(self.cache.kv_gaps.gaps[("wf", "A")].kind, "turn")
+        self.assertEqual(self.cache.kv_book.records[TAG].tokens, tuple(second))
+        self.assertEqual(self.ste(), 0)
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="T", step=2, ste={"T": 0, "A": 1},
+                                            event="transition"))
+        self.cache.check_hicache_events()                          # the gap follows A's STE
+        self.assertEqual(self.ste(), 1)
+        for i in range(4):
+            run_request(self, self.cache, self.alloc, self.r2t, seq(20000 + 100 * i, 16))
+        self.cache.evict(EvictParams(num_tokens=64))
+        self.assertEqual(self.device_len(second), len(second))
+        for i in range(4):
+            self.assertEqual(self.device_len(seq(20000 + 100 * i, 16)), 0)
+
+    def test_an_agent_not_learned_loses_its_dynamic_part_first(self):
+        """The control: one turn only, nothing learned; A's dynamic part is +inf like the
+        others' suffixes, and the oldest goes first."""
+        self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="T", step=2, ste={"T": 0, "A": 1},
+                                            event="transition"))
+        self.cache.check_hicache_events()
+        self.assertFalse(self.cache.kv_gaps.gaps)
+        for i in range(4):
+            run_request(self, self.cache, self.alloc, self.r2t, seq(20000 + 100 * i, 16))
+        self.cache.evict(EvictParams(num_tokens=64))
+        self.assertEqual(self.device_len(self.turn), 16)           # its fixed prefix only
 
     def test_a_tool_far_slower_than_measured_releases_the_tag(self):
         self.tool_starts(0.5)
