@@ -40,6 +40,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                  "stays cached; a little more cached in a tight pool), or whole radix nodes as "
                  "SGLang does (the default: keeps each prefix in fewer page runs, which this "
                  "engine's attention reads faster; `kvflow bench layout`)."),
+        turn_gaps: bool = typer.Option(
+            True, "--turn-gaps/--no-turn-gaps",
+            help="Learn which agents' prompts extend their last turn (a group chat's reviewer, "
+                 "called again after the expresser) and keep that turn cached at the agent's "
+                 "own steps-to-execution until its next request; --no-turn-gaps: only a tool "
+                 "hint (kvflow_tool_s) does that."),
         copy_thread: bool = typer.Option(
             False, "--copy-thread/--inline-copies",
             help="CPU only: KV copies (host backups, loads) on a background thread, or inline "
@@ -197,6 +203,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
+                           turn_gaps=turn_gaps,
                            copy_thread=copy_thread,
                            lazy_decode_pages=lazy_decode_pages, decode_reserve=decode_reserve,
                            admission=admission, status_aware=status_aware,

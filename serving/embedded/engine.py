@@ -188,7 +188,8 @@ class Engine(EngineAPI, EngineLoop):
             admission=cfg.admission, partial_eviction=cfg.partial_eviction,
             lazy_decode=cfg.lazy_decode_pages,
             decode_reserve=cfg.decode_reserve,
-            reuse_align=cfg.deterministic_chunk if cfg.deterministic else 1)
+            reuse_align=cfg.deterministic_chunk if cfg.deterministic else 1,
+            turn_gaps=cfg.turn_gaps)
         status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware
         self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
                                    max_skip_s=cfg.max_skip_s,

@@ -49,6 +49,9 @@ class EngineConfig:
     # elsewhere (32 workflows at 10 %, PEER), so they are the default here. (The policy core's
     # own default stays partial: the simulator's GPU cost model pays nothing per page run.)
     partial_eviction: bool = False
+    # an agent whose prompts extend its last turn keeps that turn tagged at its own STE
+    # (serving/policy/toolgap.py, turn gaps); False: only tool hints (kvflow_tool_s) do that
+    turn_gaps: bool = True
     # CPU: KV copies (backups, loads) inline on the engine thread, between forwards (False),
     # or on a background copy thread (True), which overlaps them with the forwards but runs
     # them through the same caches: measured slower with 8 workflows (bench/RESULTS.md 6.33).

@@ -71,6 +71,7 @@ def snapshot(mgr) -> dict:
         "loads_in_flight": mgr.loads.in_flight,
         "workflows": workflows_view(mgr.tags.hints),
         "agents": agents_view(mgr.tags, store.residency),
+        "gaps": mgr.gaps.as_dict(),
         "metrics": mgr.metrics.as_dict(),
     }
 

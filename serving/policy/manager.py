@@ -84,7 +84,7 @@ class KVCacheManager:
                  recompute_cost: Callable[[int, int], float] | None = None,
                  min_partial_prefetch_pages: int = 4, admission: str | None = None,
                  admission_max_age_s: float = 600.0, lazy_decode: bool = False,
-                 decode_reserve: float = 1.0, reuse_align: int = 1) -> None:
+                 decode_reserve: float = 1.0, reuse_align: int = 1, turn_gaps: bool = True) -> None:
         self.policy = get_policy(policy)
         # a request reuses a cached prefix only in whole multiples of this many tokens (an
         # engine's batch-invariant mode: prefill chunks at fixed positions); sessions use it
@@ -125,7 +125,7 @@ class KVCacheManager:
                                      min_partial_pages=min_partial_prefetch_pages)
         self._waiting: dict[int, RequestSession] = {}   # arrival order
         self._running: dict[int, RequestSession] = {}
-        self.gaps = ToolGaps(self.tags, load_s=self._host_load_s)
+        self.gaps = ToolGaps(self.tags, load_s=self._host_load_s, turn_gaps=turn_gaps)
 
     # ================================================================ sessions
     def arrive(self, tokens: Sequence[int], hints: Any = None, *, fixed_len: int | None = None,
@@ -220,8 +220,10 @@ class KVCacheManager:
         self._running.pop(id(s), None)
         h = s.hints
         if h is not None and s.written:  # what its resumed turn would start with
+            siblings = any(o.tag == s.tag for o in self._running.values()) or any(
+                o.tag == s.tag for o in self._waiting.values())
             self.gaps.finished(h.workflow, h.agent, getattr(h, "app", None), s.written,
-                               now=self.backend.now())
+                               now=self.backend.now(), siblings=siblings)
 
     def _host_load_s(self, node: Any) -> float:
         """Link time to bring ``node``'s host-only path back (0 when it is on device)."""

@@ -34,7 +34,11 @@ fixed prefix; for an agent that does, :meth:`finished` opens a turn gap: the sam
 its last turn, whose STE follows the agent's own effective STE (:meth:`tick`), so the turn is
 kept exactly as long as the agent's fixed prompt is and prefetched with it. An agent whose next
 prompt stops extending its last turn unlearns it (one turn's protection is what a wrong guess
-costs). A tool hint turns a turn gap into a tool gap.
+costs). A tool hint turns a turn gap into a tool gap. No turn gap opens while another request
+of the same agent is in flight: parallel instances under one name (LangGraph's ``Send``
+fan-out of executors) keep the agent at STE 0 until the last one ends, so that STE says
+nothing about when a finished instance's turn is read again, and holding each finished turn
+at 0 took the room the next agent's prefetch needed (RESULTS.md §6.42).
 
 Invariants: T1 a resume tag exists only while its gap is open (between the tool hint, or the
 end of a learned agent's turn, and the agent's next request, the expiry or the workflow's end);
@@ -42,7 +46,8 @@ T2 a tool gap's STE is ``hold_ste`` before ``resume_at - lead`` and ``near_ste``
 a turn gap's the agent's effective STE as of the last :meth:`tick`; T3 without
 ``kvflow_tool_s`` and without an agent whose prompts extend its last turn past its fixed prefix
 nothing here runs (the policy is exactly the one without gaps); T4 an agent with no fixed
-prefix tagged is never learned (its fixed prompt alone would read as reuse).
+prefix tagged is never learned (its fixed prompt alone would read as reuse); T5 a turn gap
+opens only for a request with no other request of its agent in flight.
 
 Pure Python, engine-agnostic: the manager calls :meth:`finished` (a request's written tokens),
 :meth:`waiting` (a tool hint), :meth:`arrived` (a request of that agent, with its prompt),
@@ -84,8 +89,9 @@ class ToolGaps:
 
     def __init__(self, tags: Any, *, load_s: Callable[[Any], float] | None = None,
                  hold_ste: float = 2, near_ste: float = 1, lead_margin_s: float = 0.05,
-                 min_grace_s: float = 1.0, max_tracked: int = 4096) -> None:
+                 min_grace_s: float = 1.0, max_tracked: int = 4096, turn_gaps: bool = True) -> None:
         self.tags = tags
+        self.turn_gaps = turn_gaps  # False: tool gaps only (nothing is learned; the ablation)
         self.load_s = load_s or (lambda node: 0.0)
         self.hold_ste, self.near_ste = hold_ste, near_ste
         self.lead_margin_s = lead_margin_s
@@ -101,18 +107,21 @@ class ToolGaps:
 
     # ------------------------------------------------------------------ events
     def finished(self, workflow: str, agent: str, app: str | None, tokens: Sequence[int],
-                 locate: Callable[[tuple], Any] | None = None, now: float | None = None) -> None:
+                 locate: Callable[[tuple], Any] | None = None, now: float | None = None,
+                 siblings: bool = False) -> None:
         """A request of ``agent`` finished with ``tokens`` (prompt + generated, with KV) cached.
         ``locate``: how to find that turn's node when a gap opens, for an engine whose tree
         keys more than tokens (SGLang: the request's LoRA / cache-salt namespace); None: the
         tag book's own. ``now``: with it, an agent learned to extend its turns gets a turn gap
-        (module doc); without it, only the turn is recorded."""
+        (module doc); without it, only the turn is recorded. ``siblings``: another request of
+        this agent is still in flight (T5: no turn gap)."""
         key = (workflow_key(workflow, app), agent)
         self.last[key] = (tuple(tokens), locate)
         self.last.move_to_end(key)
         while len(self.last) > self.max_tracked:
             self.last.popitem(last=False)
-        if now is None or key in self.gaps or not self.extends.get(self._learn_key(key, app)):
+        if (now is None or siblings or key in self.gaps
+                or not self.extends.get(self._learn_key(key, app))):
             return
         gap = Gap(workflow, app, agent, now, INF, INF, kind="turn")
         self.gaps[key] = gap
@@ -145,7 +154,7 @@ class ToolGaps:
         """A request of ``agent`` arrived: its own request takes over; the gap closes. With its
         prompt ``tokens``: learn whether it extends the agent's last turn (module doc)."""
         key = (workflow_key(workflow, app), agent)
-        if tokens is not None:
+        if tokens is not None and self.turn_gaps:
             self._learn(key, workflow, agent, app, tokens)
         gap = self.gaps.pop(key, None)
         if gap is not None:
@@ -193,6 +202,14 @@ class ToolGaps:
             del self.gaps[key]
         for key in [k for k in self.last if k[0] == wf]:
             del self.last[key]
+
+    def as_dict(self) -> dict:
+        """Counters and open gaps, for the engines' snapshots (``/kvflow/v1/cache``)."""
+        kinds = [g.kind for g in self.gaps.values()]
+        return {"turn_gaps": self.turn_gaps, "open_tool": kinds.count("tool"),
+                "open_turn": kinds.count("turn"), "tool_opened": self.opened,
+                "turns_opened": self.turns_opened, "closed_by_request": self.closed_by_request,
+                "tool_expired": self.expired, "agents_learned": len(self.extends)}
 
     # ------------------------------------------------------------------ plan
     def _plan(self, gap: Gap, now: float) -> float:

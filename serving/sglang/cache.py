@@ -450,13 +450,14 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
         self._unhold(info)  # admitted and computed: its prefix is in the tree
         if req.finished():
             self._req_hints.pop(req.rid, None)
+            siblings = any(o.tag == info.tag for o in self._req_hints.values())
             # what the agent's resumed turn would start with (a tool gap's resume tag)
             extra, salt = req.extra_key, getattr(req, "cache_salt", None)
             self.kv_gaps.finished(info.workflow, info.agent, info.app,
                                   req.full_untruncated_fill_ids[:up_to],
                                   locate=None if extra is None and salt is None else
                                   lambda prefix: self._locate(prefix, extra, salt),
-                                  now=self._kv_now())
+                                  now=self._kv_now(), siblings=siblings)
         if info.tagged:
             return
         try:
@@ -639,6 +640,7 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
                      "recompute_s_per_token": loads.recompute_s_per_token or loads.measured_prefill_spt},
             "workflows": workflows_view(self.kv_hints),
             "agents": agents_view(self.kv_book, self._residency),
+            "gaps": self.kv_gaps.as_dict(),
             "metrics": self.kv_metrics.as_dict(),
             "stats": dict(self.kv_stats),
         }

@@ -153,7 +153,7 @@ def reviewer_round(m, wf, *, extends=True, pressure_n=6):
         m.apply_hints(Hints(workflow=f"{wf}-o{i}", agent="B", ste={"B": 2}))
     second = written + [q + 200, q + 201] if extends else fixed + list(range(q + 300, q + 300 + H))
     s, _ = app_turn(m, second, wf, "R", {"R": 0, "E": 1}, out=range(q + 400, q + 400 + OUT))
-    assert (workflow_key(wf, "peer"), "R") in m.gaps.gaps or not extends
+    assert (workflow_key(wf, "peer"), "R") in m.gaps.gaps or not extends or not m.gaps.turn_gaps
     m.apply_hints(Hints(workflow=wf, agent="R", ste={}, event="end", app="peer"))  # as adapters do
     assert not any(k[0] == workflow_key(wf, "peer") for k in m.gaps.gaps)
     return s, len(written)
@@ -168,11 +168,18 @@ def test_an_agent_that_extends_its_last_turn_keeps_it_at_its_own_ste():
     learned = make_manager("kvflow", device_pages=96, host_pages=512, link=200.0)
     reviewer_round(learned, "q0")                                    # learns R (app "peer")
     assert learned.gaps.extends == {("peer", "R"): True}
+    assert learned.snapshot()["gaps"]["agents_learned"] == 1
     s, turn_len = reviewer_round(learned, "q1")
     assert s.device_hit == turn_len and s.load_wait_s == 0
 
     fresh = make_manager("kvflow", device_pages=96, host_pages=512, link=200.0)
     s, turn_len = reviewer_round(fresh, "q1")
+    assert s.device_hit < turn_len and s.load_wait_s > 0
+
+    off = make_manager("kvflow", device_pages=96, host_pages=512, link=200.0, turn_gaps=False)
+    reviewer_round(off, "q0")                                        # (kvflow serve --no-turn-gaps)
+    s, turn_len = reviewer_round(off, "q1")
+    assert not off.gaps.extends and off.gaps.turns_opened == 0
     assert s.device_hit < turn_len and s.load_wait_s > 0
 
 
@@ -217,3 +224,25 @@ def test_without_a_tagged_fixed_prefix_nothing_is_learned():
         s.commit()
         s.finish(fixed + [2000 + k, 3000], F + 2)
     assert not m.gaps.extends and not m.gaps.gaps and m.gaps.turns_opened == 0
+
+
+def test_parallel_instances_of_an_agent_open_no_turn_gap_until_the_last_one_ends():
+    """T5: LangGraph's Send fan-out runs several executors under one name; while one is still
+    in flight the agent is at STE 0, which says nothing about a finished instance's turn, so
+    only the last one to end leaves its turn tagged."""
+    m = make_manager("kvflow", device_pages=256, host_pages=512)
+    reviewer_round(m, "q0", pressure_n=0)                            # R is learned
+    fixed = list(range(1000, 1000 + F))
+    sessions = []
+    for i in range(3):                                               # three R's at once
+        s = m.arrive(fixed + list(range(9000 + 100 * i, 9000 + 100 * i + H)),
+                     Hints(workflow="q1", agent="R", ste={"R": 0}, app="peer"), fixed_len=F,
+                     kv_tokens=F + H + OUT)
+        assert s.poll().ready and s.admit()
+        s.commit()
+        sessions.append(s)
+    key = (workflow_key("q1", "peer"), "R")
+    for i, s in enumerate(sessions):
+        seq = list(s.tokens) + list(range(9500 + 10 * i, 9500 + 10 * i + OUT))
+        s.finish(seq, len(seq))
+        assert (key in m.gaps.gaps) == (i == 2)

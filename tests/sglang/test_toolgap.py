@@ -109,6 +109,20 @@ class ToolGapTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest
         for i in range(4):
             self.assertEqual(self.device_len(seq(20000 + 100 * i, 16)), 0)
 
+    def test_no_turn_gap_while_another_request_of_the_agent_is_in_flight(self):
+        """T5: parallel instances under one agent name (a fan-out) open no turn gap until the
+        last one ends."""
+        second = self.turn + seq(7000, 4)
+        run_request(self, self.cache, self.alloc, self.r2t, second,
+                    hints("wf", "A", {"A": 0, "T": 1}, step=1, fixed_tokens=16))
+        self.assertIn(("wf", "A"), self.cache.kv_gaps.gaps)       # learned, alone: a gap
+        sibling, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t, second + seq(8000, 4))
+        sibling.sampling_params.custom_params = hints("wf", "A", {"A": 0}, step=2, fixed_tokens=16)
+        self.cache.kvflow_on_request(sibling)                      # queued, in flight
+        run_request(self, self.cache, self.alloc, self.r2t, second + seq(7100, 4),
+                    hints("wf", "A", {"A": 0}, step=3, fixed_tokens=16))
+        self.assertNotIn(("wf", "A"), self.cache.kv_gaps.gaps)
+
     def test_an_agent_not_learned_loses_its_dynamic_part_first(self):
         """The control: one turn only, nothing learned; A's dynamic part is +inf like the
         others' suffixes, and the oldest goes first."""
