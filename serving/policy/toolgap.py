@@ -29,8 +29,9 @@ AutoGen PEER reviewer's second call reuses 1,264 of the 1,292 tokens of its firs
 past its fixed prompt. Those 224 are a dynamic suffix (+inf), so while the expresser runs in
 between they are the first thing evicted, and the reviewer loads them back on its critical
 path (RESULTS.md §6.42). :meth:`arrived` learns, per app and agent (per workflow without an
-app), whether the agent's new prompt extends its last turn by at least a page past its tagged
-fixed prefix; for an agent that does, :meth:`finished` opens a turn gap: the same resume tag on
+app), whether the agent's new prompt extends its last turn: whether it reuses at least half of
+what that turn added past the agent's tagged fixed prefix (at least a page; the template
+tokens every message starts with do not count as a history); for an agent that does, :meth:`finished` opens a turn gap: the same resume tag on
 its last turn, whose STE follows the agent's own effective STE (:meth:`tick`), so the turn is
 kept exactly as long as the agent's fixed prompt is and prefetched with it. An agent whose next
 prompt stops extending its last turn unlearns it (one turn's protection is what a wrong guess
@@ -100,7 +101,8 @@ class ToolGaps:
         # (wf key, agent) -> (last turn's tokens, how to find its node: None = the book's locate)
         self.last: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.gaps: dict[tuple, Gap] = {}                         # (wf key, agent) -> open gap
-        # (app, agent), or (wf key, agent) without an app, whose prompts extend its last turn
+        # ("app", app, agent), or ("wf", wf key, agent) without an app: agents whose prompts
+        # extend their last turn
         self.extends: "OrderedDict[tuple, bool]" = OrderedDict()
         self.opened = self.closed_by_request = self.expired = 0
         self.turns_opened = 0
@@ -163,17 +165,22 @@ class ToolGaps:
 
     @staticmethod
     def _learn_key(key: tuple, app: str | None) -> tuple:
-        return (app, key[1]) if app else key
+        return ("app", app, key[1]) if app else ("wf",) + key
 
     def _learn(self, key: tuple, workflow: str, agent: str, app: str | None,
                tokens: Sequence[int]) -> None:
-        """Does ``tokens`` reuse the agent's last turn at least a page past its fixed prefix?"""
+        """Does ``tokens`` reuse at least half of what the agent's last turn added past its
+        fixed prefix (and at least a page)? Half, not any: the chat template's header of the
+        next message (``<|im_start|>user\n``, a task template) follows every fixed prompt, and
+        a prompt that shares only that has a new history, not the last one extended."""
         last = self.last.get(key)
         fixed = self.tags.fixed_prefix_len(workflow, agent, app)
         if last is None or fixed <= 0:  # (T4)
             return
         ps = self.tags.page_size
-        extends = common_prefix_len(tokens, last[0], step=ps) >= fixed + ps
+        added = len(last[0]) - fixed
+        reused = common_prefix_len(tokens, last[0], step=ps) - fixed
+        extends = reused >= max(ps, added / 2)
         lk = self._learn_key(key, app)
         if not extends:
             self.extends.pop(lk, None)
@@ -202,6 +209,7 @@ class ToolGaps:
             del self.gaps[key]
         for key in [k for k in self.last if k[0] == wf]:
             del self.last[key]
+            self.extends.pop(("wf",) + key, None)  # (an app's agents stay learned)
 
     def as_dict(self) -> dict:
         """Counters and open gaps, for the engines' snapshots (``/kvflow/v1/cache``)."""

@@ -14,9 +14,10 @@ from kvflow_agents.serving.policy.toolgap import RESUME
 F, H, OUT = 10, 20, 6  # fixed prompt, dynamic history, generated tokens (page size 1)
 
 
-def turn(m, tokens, wf, agent, ste, fixed=F, out=()):
+def turn(m, tokens, wf, agent, ste, fixed=F, out=(), app=None):
     """One request through the session protocol; returns (session, poll at arrival)."""
-    s = m.arrive(tokens, Hints(workflow=wf, agent=agent, ste=ste), fixed_len=fixed, kv_tokens=len(tokens) + len(out))
+    s = m.arrive(tokens, Hints(workflow=wf, agent=agent, ste=ste, app=app), fixed_len=fixed,
+                 kv_tokens=len(tokens) + len(out))
     p = s.poll()
     while not p.ready:  # a load in flight on its prefix: let the virtual clock run to it
         m.clock.t = max(m.clock.t, p.ready_at or m.clock.t)
@@ -122,19 +123,10 @@ def test_under_pressure_the_resumed_turn_finds_its_whole_last_turn_on_device():
 
 # ---------------------------------------------------------------- turn gaps (no tool hint)
 def app_turn(m, tokens, wf, agent, ste, out=(), app="peer"):
-    s = m.arrive(tokens, Hints(workflow=wf, agent=agent, ste=ste, app=app), fixed_len=F,
-                 kv_tokens=len(tokens) + len(out))
-    p = s.poll()
-    while not p.ready:
-        m.clock.t = max(m.clock.t, p.ready_at or m.clock.t)
-        m.tick(m.clock.t)
-        p = s.poll()
-    assert s.admit()
-    s.commit()
-    seq = list(tokens) + list(out)
-    s.finish(seq, len(seq))
+    """:func:`turn` in an app's workflow, then a scheduler tick; returns (session, written)."""
+    s, _ = turn(m, tokens, wf, agent, ste, out=out, app=app)
     m.tick(m.clock.t)
-    return s, seq
+    return s, list(tokens) + list(out)
 
 
 def reviewer_round(m, wf, *, extends=True, pressure_n=6):
@@ -167,7 +159,7 @@ def test_an_agent_that_extends_its_last_turn_keeps_it_at_its_own_ste():
     first: the second turn reloads it from host (its wait on the critical path)."""
     learned = make_manager("kvflow", device_pages=96, host_pages=512, link=200.0)
     reviewer_round(learned, "q0")                                    # learns R (app "peer")
-    assert learned.gaps.extends == {("peer", "R"): True}
+    assert learned.gaps.extends == {("app", "peer", "R"): True}
     assert learned.snapshot()["gaps"]["agents_learned"] == 1
     s, turn_len = reviewer_round(learned, "q1")
     assert s.device_hit == turn_len and s.load_wait_s == 0
@@ -205,9 +197,9 @@ def test_the_turn_gap_follows_the_agents_ste_and_closes():
 def test_an_agent_that_stops_extending_its_turns_is_unlearned():
     m = make_manager("kvflow", device_pages=256, host_pages=512)
     reviewer_round(m, "q0", pressure_n=0)
-    assert ("peer", "R") in m.gaps.extends
+    assert ("app", "peer", "R") in m.gaps.extends
     reviewer_round(m, "q1", pressure_n=0, extends=False)            # a fresh history this time
-    assert ("peer", "R") not in m.gaps.extends
+    assert ("app", "peer", "R") not in m.gaps.extends
     app_turn(m, list(range(1000, 1000 + F)) + list(range(9000, 9000 + H)), "q2", "R", {"R": 0})
     assert (workflow_key("q2", "peer"), "R") not in m.gaps.gaps      # no turn gap any more
 
@@ -246,3 +238,14 @@ def test_parallel_instances_of_an_agent_open_no_turn_gap_until_the_last_one_ends
         seq = list(s.tokens) + list(range(9500 + 10 * i, 9500 + 10 * i + OUT))
         s.finish(seq, len(seq))
         assert (key in m.gaps.gaps) == (i == 2)
+
+
+def test_a_shared_message_header_past_the_fixed_prompt_is_not_a_history():
+    """Every call's user message starts with the same template tokens after the fixed prompt
+    (``<|im_start|>user\\nRound``): that is not the last turn extended, nothing is learned."""
+    m = make_manager("kvflow", device_pages=256, host_pages=512)
+    fixed, header = list(range(1000, 1000 + F)), [7, 8, 9]
+    for k in range(4):
+        app_turn(m, fixed + header + list(range(20_000 + 100 * k, 20_000 + 100 * k + H)), "w", "A",
+                 {"A": 0}, out=range(30_000 + 100 * k, 30_000 + 100 * k + OUT))
+    assert not m.gaps.extends and m.gaps.turns_opened == 0

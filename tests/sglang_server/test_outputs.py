@@ -82,7 +82,9 @@ def test_malformed_hints_never_fail_a_request(kvflow, stock):
 def test_tool_hint_tags_the_agents_last_turn_on_the_real_server(kvflow):
     """A tool step's out-of-band hint (``kvflow_tool_s``) gives the waiting agent's whole last
     turn (prompt + what it generated, SGLang's record of the finished request) a resume tag
-    on the real server: held at STE 2 while the tool runs; the agent's next request closes it."""
+    on the real server: held at STE 2 while the tool runs; the agent's next request closes it.
+    That request extended the last turn, so the server learned the agent: its new turn is kept
+    at the agent's own STE (a turn gap) once it finishes."""
     from kvflow_agents.serving.policy.toolgap import RESUME
 
     fixed, dyn = random_ids(21, 200), random_ids(22, 40)
@@ -102,7 +104,11 @@ def test_tool_hint_tags_the_agents_last_turn_on_the_real_server(kvflow):
     assert len(fixed) + len(dyn) < resume["tokens"] <= len(fixed) + len(dyn) + 8, dump(rows)
     assert resume["ste"] == 2 and resume["residency"] == "device", dump(rows)
     h2 = dict(h, kvflow_step=3)
-    kvflow.generate(fixed + dyn + res["output_ids"] + random_ids(23, 20), max_new_tokens=2,
-                    custom_params=h2)
-    rows = agent_rows(kvflow.snapshot(), "tools/tool-wf")
-    assert rows.get("agent" + RESUME) is None or rows["agent" + RESUME]["ste"] is None, dump(rows)
+    resumed = fixed + dyn + res["output_ids"] + random_ids(23, 20)
+    kvflow.generate(resumed, max_new_tokens=2, custom_params=h2)
+    snap = kvflow.snapshot()
+    rows, gaps = agent_rows(snap, "tools/tool-wf"), snap["gaps"]
+    assert gaps["closed_by_request"] == 1 and gaps["tool_opened"] == 1, gaps
+    assert gaps["open_turn"] == 1 and gaps["agents_learned"] >= 1, gaps
+    turn = rows["agent" + RESUME]
+    assert turn["ste"] == 0 and len(resumed) < turn["tokens"] <= len(resumed) + 2, dump(rows)
