@@ -12,6 +12,8 @@ loads read as ``device``). Sizes are in tokens, not pages, for a person debuggin
                                 "ste": 1, "priority": 1, "tokens": 480}]}],
      "queue": {"waiting", "loading", "running"}, "loads_in_flight": 0,
      "link": {"emulated_gbps": 0.5 | null}, "metrics": {...},
+     "gaps": {"turn_gaps", "open_tool", "open_turn", "tool_opened", "turns_opened",
+              "closed_by_request", "tool_expired", "agents_learned"},
      "engine": {"steps", "decode_steps", "prefill_forward_s", "decode_forward_s", "copy_s"}}
 
 ``engine.copy_s``: wall seconds copying KV between the tiers (loads and backups; CPU: on the
@@ -74,6 +76,7 @@ def cache_report(engine, tenant: Optional[str] = None) -> dict:
         "loads_in_flight": snap["loads_in_flight"],
         "link": {"emulated_gbps": engine.config.host_link_gbps},
         "metrics": {k: num(v) for k, v in snap["metrics"].items()},
+        "gaps": snap["gaps"],
         "engine": {**{k: engine.counters[k] for k in ENGINE_COUNTERS},
                    "copy_s": engine.pool.stats["load_s"] + engine.pool.stats["backup_s"]},
     }

@@ -245,3 +245,30 @@ def test_hints_from_headers_only(serve):
                 extra_headers={"X-KVFlow-Workflow": "hdr", "X-KVFlow-Agent": "B"})
             assert raw.headers["x-kvflow-hints"] == "accepted"
         assert residency(srv.cache(), "hdr", "B") == "device"
+
+
+@pytest.mark.parametrize("turn_gaps", [True, False])
+def test_a_group_chat_agents_history_is_learned_and_kept_over_http(serve, turn_gaps):
+    """A reviewer called twice in one group chat (AutoGen's shape): its second prompt is its
+    first plus its reply and the next message. The server learns that from the prompts (no
+    hint says it) and, once the second call ends, keeps that turn tagged at the reviewer's own
+    STE; ``--no-turn-gaps`` learns nothing."""
+    with serve(policy="kvflow", turn_gaps=turn_gaps, **SMALL_POOL) as srv:
+        c = srv.client()
+        msgs = [{"role": "system", "content": system_prompt("R")},
+                {"role": "user", "content": "q: is the margin rising? " * 3}]
+        hints = dict(kvflow_app="peer")
+        for step in range(2):
+            reply = c.chat.completions.create(
+                model="tiny-random", max_tokens=4, temperature=0, messages=msgs,
+                extra_body={"ignore_eos": True, "custom_params": chat_hints(
+                    "q1", "R", {"R": 0, "E": 1}, step=2 * step, **hints)})
+            msgs = msgs + [{"role": "assistant", "content": reply.choices[0].message.content},
+                           {"role": "user", "content": "expresser: revised answer"}]
+        gaps = srv.cache()["gaps"]
+        assert gaps["turn_gaps"] is turn_gaps
+        if turn_gaps:
+            assert gaps["agents_learned"] == 1 and gaps["open_turn"] == 1, gaps
+            assert residency(srv.cache(), "peer/q1", "R\u27f2") == "device"
+        else:
+            assert gaps["agents_learned"] == 0 and gaps["open_turn"] == 0, gaps
