@@ -31,9 +31,10 @@ between they are the first thing evicted, and the reviewer loads them back on it
 path (RESULTS.md §6.42). :meth:`arrived` learns, per app and agent (per workflow without an
 app), whether the agent's new prompt extends its last turn: whether it reuses at least half of
 what that turn added past the agent's tagged fixed prefix (at least a page; the template
-tokens every message starts with do not count as a history); for an agent that does, :meth:`finished` opens a turn gap: the same resume tag on
-its last turn, whose STE follows the agent's own effective STE (:meth:`tick`), so the turn is
-kept exactly as long as the agent's fixed prompt is and prefetched with it. An agent whose next
+tokens every message starts with do not count as a history). For an agent that does,
+:meth:`finished` opens a turn gap: the same resume tag on its last turn, whose STE follows the
+agent's own effective STE (:meth:`tick`), so the turn is kept exactly as long as the agent's
+fixed prompt is and prefetched with it. An agent whose next
 prompt stops extending its last turn unlearns it (one turn's protection is what a wrong guess
 costs). A tool hint turns a turn gap into a tool gap. No turn gap opens while another request
 of the same agent is in flight: parallel instances under one name (LangGraph's ``Send``

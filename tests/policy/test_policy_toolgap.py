@@ -140,8 +140,8 @@ def reviewer_round(m, wf, *, extends=True, pressure_n=6):
     _, written = app_turn(m, first, wf, "R", {"R": 0, "E": 1}, out=range(q + 100, q + 100 + OUT))
     m.apply_hints(Hints(workflow=wf, agent="E", ste={"E": 0, "R": 1}, app="peer"))
     for i in range(pressure_n):  # other apps' agents at STE 2: above dynamic suffixes, below R
-        toks = list(range(50_000 + 1000 * i + 100 * len(wf), 50_000 + 1000 * i + 100 * len(wf) + 24))
-        app_turn(m, toks, f"{wf}-o{i}", "B", {"B": 0}, app=None)
+        base = 50_000 + 1000 * i + 100 * len(wf)
+        app_turn(m, list(range(base, base + 24)), f"{wf}-o{i}", "B", {"B": 0}, app=None)
         m.apply_hints(Hints(workflow=f"{wf}-o{i}", agent="B", ste={"B": 2}))
     second = written + [q + 200, q + 201] if extends else fixed + list(range(q + 300, q + 300 + H))
     s, _ = app_turn(m, second, wf, "R", {"R": 0, "E": 1}, out=range(q + 400, q + 400 + OUT))
