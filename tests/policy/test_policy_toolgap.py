@@ -42,12 +42,12 @@ def tool_starts(m, secs):
                         tool_s={"A": secs} if secs is not None else {}))
 
 
-def pressure(m, n, size=24, start=10_000):
+def pressure(m, n, size=24, start=10_000, ste=1):
     """Other workflows' agents come and go (each 24 tokens, STE 1 = they run again soon)."""
     for i in range(n):
         toks = list(range(start + i * 100, start + i * 100 + size))
         turn(m, toks, f"other-{i}", "B", {"B": 0}, fixed=8)
-        m.apply_hints(Hints(workflow=f"other-{i}", agent="B", ste={"B": 1}))
+        m.apply_hints(Hints(workflow=f"other-{i}", agent="B", ste={"B": ste}))
 
 
 def test_resume_tag_follows_its_plan_and_closes_on_the_next_request():
@@ -73,7 +73,7 @@ def test_resume_tag_follows_its_plan_and_closes_on_the_next_request():
     # that request extended A's last turn past its fixed prompt: A is learned, and when it
     # finishes its turn stays tagged at A's own STE (a turn gap), not as a tool gap
     s.finish(last + [4000, 4001], len(last) + 2)
-    gap = m.gaps.gaps[("w", "A")]
+    [gap] = m.gaps.open_gaps("w", "A")
     assert gap.kind == "turn" and m.tags.effective_ste(("w", "A" + RESUME)) == 0
     assert m.gaps.turns_opened == 1 and m.gaps.opened == 1
 
@@ -145,7 +145,7 @@ def reviewer_round(m, wf, *, extends=True, pressure_n=6):
         m.apply_hints(Hints(workflow=f"{wf}-o{i}", agent="B", ste={"B": 2}))
     second = written + [q + 200, q + 201] if extends else fixed + list(range(q + 300, q + 300 + H))
     s, _ = app_turn(m, second, wf, "R", {"R": 0, "E": 1}, out=range(q + 400, q + 400 + OUT))
-    assert (workflow_key(wf, "peer"), "R") in m.gaps.gaps or not extends or not m.gaps.turn_gaps
+    assert m.gaps.open_gaps(wf, "R", "peer") or not extends or not m.gaps.turn_gaps
     m.apply_hints(Hints(workflow=wf, agent="R", ste={}, event="end", app="peer"))  # as adapters do
     assert not any(k[0] == workflow_key(wf, "peer") for k in m.gaps.gaps)
     return s, len(written)
@@ -183,7 +183,8 @@ def test_the_turn_gap_follows_the_agents_ste_and_closes():
                           out=range(9100, 9100 + OUT))
     key = (workflow_key("q1", "peer"), "R")
     tag = (key[0], "R" + RESUME)
-    assert m.gaps.gaps[key].kind == "turn" and m.tags.effective_ste(tag) == 0
+    assert [g.kind for g in m.gaps.open_gaps("q1", "R", "peer")] == ["turn"]
+    assert m.tags.effective_ste(tag) == 0
     assert m.tags.records[tag].tokens == tuple(written) and m.tags.node_of(tag) is not None
     m.apply_hints(Hints(workflow="q1", agent="E", ste={"E": 0, "R": 1}, app="peer"))
     m.tick(m.clock.t)
@@ -201,7 +202,7 @@ def test_an_agent_that_stops_extending_its_turns_is_unlearned():
     reviewer_round(m, "q1", pressure_n=0, extends=False)            # a fresh history this time
     assert ("app", "peer", "R") not in m.gaps.extends
     app_turn(m, list(range(1000, 1000 + F)) + list(range(9000, 9000 + H)), "q2", "R", {"R": 0})
-    assert (workflow_key("q2", "peer"), "R") not in m.gaps.gaps      # no turn gap any more
+    assert not m.gaps.open_gaps("q2", "R", "peer")                    # no turn gap any more
 
 
 def test_without_a_tagged_fixed_prefix_nothing_is_learned():
@@ -233,11 +234,10 @@ def test_parallel_instances_of_an_agent_open_no_turn_gap_until_the_last_one_ends
         assert s.poll().ready and s.admit()
         s.commit()
         sessions.append(s)
-    key = (workflow_key("q1", "peer"), "R")
     for i, s in enumerate(sessions):
         seq = list(s.tokens) + list(range(9500 + 10 * i, 9500 + 10 * i + OUT))
         s.finish(seq, len(seq))
-        assert (key in m.gaps.gaps) == (i == 2)
+        assert len(m.gaps.open_gaps("q1", "R", "peer")) == (i == 2)
 
 
 def test_a_shared_message_header_past_the_fixed_prompt_is_not_a_history():
@@ -249,3 +249,69 @@ def test_a_shared_message_header_past_the_fixed_prompt_is_not_a_history():
         app_turn(m, fixed + header + list(range(20_000 + 100 * k, 20_000 + 100 * k + H)), "w", "A",
                  {"A": 0}, out=range(30_000 + 100 * k, 30_000 + 100 * k + OUT))
     assert not m.gaps.extends and m.gaps.turns_opened == 0
+
+
+# ---------------------------------------------------------------- parallel instances
+def test_parallel_instances_waiting_on_their_tools_each_keep_their_own_turn():
+    """LangGraph's ``Send`` fan-out of ReAct executors: three instances of one agent each call
+    a tool and resume with their own last turn. Each tool hint keeps the turn of the instance
+    that just finished (the most recent one without a gap), so under pressure every resumed
+    request finds its whole last turn, not only the last instance to have called its tool."""
+    m = make_manager("kvflow", device_pages=112, host_pages=512, link=200.0)
+    fixed = list(range(1000, 1000 + F))
+    sessions = []
+    for i in range(3):                                               # three X's at once
+        s = m.arrive(fixed + list(range(9000 + 100 * i, 9000 + 100 * i + H)),
+                     Hints(workflow="w", agent="X", ste={"X": 0, "T": 1}), fixed_len=F,
+                     kv_tokens=F + H + OUT)
+        assert s.poll().ready and s.admit()
+        s.commit()
+        sessions.append(s)
+    turns = []
+    for i, s in enumerate(sessions):                                 # each ends, its tool starts
+        seq = list(s.tokens) + list(range(9500 + 10 * i, 9500 + 10 * i + OUT))
+        s.finish(seq, len(seq))
+        turns.append(seq)
+        m.apply_hints(Hints(workflow="w", agent="T", ste={"T": 0, "X": 1}, event="transition",
+                            tool_s={"X": 1.0}))
+    assert len(m.gaps.gaps) == 3 and m.gaps.opened == 3
+    gaps = m.gaps.open_gaps("w", "X")
+    assert [g.tag_agent for g in gaps] == ["X" + RESUME, "X" + RESUME + "2", "X" + RESUME + "3"]
+    assert {m.tags.records[("w", g.tag_agent)].tokens for g in gaps} == {tuple(t) for t in turns}
+    pressure(m, 6, ste=3)                                            # they run after X resumes
+    resume_at = 1.0
+    while (t := m.next_event_at) is not None and t <= resume_at:    # an idle engine wakes then
+        m.clock.t = max(m.clock.t, t)
+        m.tick(m.clock.t)
+    m.clock.t = resume_at                                            # the tools return
+    m.tick(m.clock.t)
+    for i in (1, 0, 2):                                              # in any order
+        s, _ = turn(m, turns[i] + [4000 + i], "w", "X", {"X": 0, "T": 1})
+        assert s.device_hit == len(turns[i]) and s.load_wait_s == 0, i
+    assert m.gaps.closed_by_request == 3                             # each by its own instance
+    assert [g.kind for g in m.gaps.gaps.values()] == ["turn"] * 3     # (learned: X extends them)
+
+
+def test_a_tool_gap_moves_when_the_engine_wakes_for_it_and_stays_near():
+    """An engine that sleeps until ``next_event_at`` finds the gap moved when it wakes (one
+    formula for both: a rounding difference once woke it at the same instant forever), and,
+    T2, once near a gap stays near: the prefetch that lands shrinks its lead, which used to put
+    it back on hold (STE 2) for pressure to evict again before the tool returned."""
+    m = make_manager("kvflow", device_pages=64, host_pages=512, link=200.0)
+    agent_a_first_turn(m)
+    tool_starts(m, 1.0)
+    pressure(m, 6)                                                   # A's turn goes to host
+    tag = ("w", "A" + RESUME)
+    assert m.tags.effective_ste(tag) == 2 and m.store.host_pages(m.tags.node_of(tag)) > 0
+    seen = []
+    while (t := m.next_event_at) is not None and t <= 1.0:
+        m.clock.t = max(m.clock.t, t)
+        m.tick(m.clock.t)
+        assert not seen or seen[-1] != (m.clock.t, m.tags.effective_ste(tag)), "woke for nothing"
+        seen.append((m.clock.t, m.tags.effective_ste(tag)))
+        if m.tags.effective_ste(tag) == 1:
+            break
+    m.clock.t = 1.0
+    for _ in range(3):                                               # the prefetch lands
+        m.tick(m.clock.t)
+        assert m.tags.effective_ste(tag) == 1

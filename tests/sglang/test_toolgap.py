@@ -85,7 +85,7 @@ class ToolGapTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest
         run_request(self, self.cache, self.alloc, self.r2t, self.turn + seq(7000, 4),
                     hints("wf", "A", {"A": 0, "T": 1}, step=2, fixed_tokens=16))
         self.assertEqual((self.cache.kv_gaps.opened, self.cache.kv_gaps.closed_by_request), (1, 1))
-        self.assertEqual(self.cache.kv_gaps.gaps[("wf", "A")].kind, "turn")
+        self.assertEqual([g.kind for g in self.cache.kv_gaps.open_gaps("wf", "A")], ["turn"])
         self.assertEqual(self.ste(), 0)
 
     def test_an_agent_that_extends_its_last_turn_keeps_it_without_a_tool_hint(self):
@@ -95,7 +95,7 @@ class ToolGapTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest
         second = self.turn + seq(7000, 4)
         run_request(self, self.cache, self.alloc, self.r2t, second,
                     hints("wf", "A", {"A": 0, "T": 1}, step=1, fixed_tokens=16))
-        self.assertEqual(self.cache.kv_gaps.gaps[("wf", "A")].kind, "turn")
+        self.assertEqual([g.kind for g in self.cache.kv_gaps.open_gaps("wf", "A")], ["turn"])
         self.assertEqual(self.cache.kv_book.records[TAG].tokens, tuple(second))
         self.assertEqual(self.ste(), 0)
         self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="T", step=2, ste={"T": 0, "A": 1},
@@ -115,13 +115,37 @@ class ToolGapTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest
         second = self.turn + seq(7000, 4)
         run_request(self, self.cache, self.alloc, self.r2t, second,
                     hints("wf", "A", {"A": 0, "T": 1}, step=1, fixed_tokens=16))
-        self.assertIn(("wf", "A"), self.cache.kv_gaps.gaps)       # learned, alone: a gap
+        self.assertTrue(self.cache.kv_gaps.open_gaps("wf", "A"))   # learned, alone: a gap
         sibling, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t, second + seq(8000, 4))
         sibling.sampling_params.custom_params = hints("wf", "A", {"A": 0}, step=2, fixed_tokens=16)
         self.cache.kvflow_on_request(sibling)                      # queued, in flight
         run_request(self, self.cache, self.alloc, self.r2t, second + seq(7100, 4),
                     hints("wf", "A", {"A": 0}, step=3, fixed_tokens=16))
-        self.assertNotIn(("wf", "A"), self.cache.kv_gaps.gaps)
+        self.assertFalse(self.cache.kv_gaps.open_gaps("wf", "A"))
+
+    def test_parallel_instances_each_keep_their_own_turn(self):
+        """T6: two instances of A (a fan-out) each call a tool; each tool hint keeps the turn
+        of the instance that just finished, under a resume tag of its own, and one
+        instance's resumed request closes its own gap only."""
+        self.tool_starts(2.0)                                      # instance 1's tool
+        other = seq(1000, 16) + seq(5100, 8) + seq(6100, 8)        # instance 2, same fixed part
+        run_request(self, self.cache, self.alloc, self.r2t, other,
+                    hints("wf", "A", {"A": 0, "T": 1}, step=1, fixed_tokens=16))
+        self.tool_starts(2.0)                                      # instance 2's tool
+        gaps = self.cache.kv_gaps.open_gaps("wf", "A")
+        self.assertEqual([g.tag_agent for g in gaps], ["A" + RESUME, "A" + RESUME + "2"])
+        self.assertEqual({self.cache.kv_book.records[("wf", g.tag_agent)].tokens for g in gaps},
+                         {tuple(self.turn), tuple(other)})
+        for i in range(4):                                         # others' untagged suffixes
+            run_request(self, self.cache, self.alloc, self.r2t, seq(20000 + 100 * i, 16))
+        self.cache.evict(EvictParams(num_tokens=64))
+        self.assertEqual(self.device_len(self.turn), len(self.turn))
+        self.assertEqual(self.device_len(other), len(other))
+        run_request(self, self.cache, self.alloc, self.r2t, self.turn + seq(7000, 4),
+                    hints("wf", "A", {"A": 0, "T": 1}, step=2, fixed_tokens=16))
+        self.assertEqual(self.cache.kv_gaps.closed_by_request, 1)  # instance 1's, not 2's
+        self.assertIn("tool", [g.kind for g in self.cache.kv_gaps.open_gaps("wf", "A")])
+        self.assertEqual(self.cache.kv_book.records[("wf", "A" + RESUME + "2")].tokens, tuple(other))
 
     def test_an_agent_not_learned_loses_its_dynamic_part_first(self):
         """The control: one turn only, nothing learned; A's dynamic part is +inf like the
@@ -188,7 +212,7 @@ def test_resume_tag_covers_what_sglang_cached_of_the_turn():
         cache, alloc, r2t = fx.build_fixture(kit.cfg)
     turn = seq(300, 16) + seq(400, 10)  # 26 tokens: the tag is page-aligned down to 24
     run_request(kit, cache, alloc, r2t, turn, hints("wf", "A", {"A": 0}, fixed_tokens=16))
-    assert cache.kv_gaps.last[("wf", "A")][0] == tuple(turn)
+    assert [t.tokens for t in cache.kv_gaps.last[("wf", "A")]] == [tuple(turn)]
     cache.kvflow_apply_hints(Hints(workflow="wf", agent="T", ste={"T": 0, "A": 1}, tool_s={"A": 1.0}))
     assert cache.kv_book.agent_node("wf", "A" + RESUME) is not None
     assert cache.kv_book.records[TAG].tokens == tuple(turn[:24])
