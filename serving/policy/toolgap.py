@@ -44,7 +44,7 @@ at 0 took the room the next agent's prefetch needed (RESULTS.md §6.42).
 
 **Parallel instances.** The hints name an agent, not an instance, so the server tells
 instances apart by their tokens: it keeps each finished turn of an agent not resumed yet
-(``last``, up to ``max_instances``), a tool hint opens its gap on the most recently finished
+(``last``: up to ``max_instances`` per agent, ``max_tracked`` in all), a tool hint opens its gap on the most recently finished
 of them without a tool gap (the instance whose tool just started: LangGraph posts the tool
 step right after that instance's call), each gap under a resume tag of its own
 (``agent⟲``, ``agent⟲2``, ...), and a request closes the gap of the turn it extends. With one
@@ -136,6 +136,7 @@ class ToolGaps:
         self.opened = self.closed_by_request = self.expired = 0
         self.turns_opened = 0
         self.now_seen = -INF  # the latest event time (a dropped turn's gap is closed then)
+        self.num_turns = 0    # in ``last``, all agents: at most ``max_tracked``
 
     def open_gaps(self, workflow: str, agent: str, app: str | None = None) -> list[Gap]:
         """The agent's open gaps (one per waiting instance), by slot."""
@@ -159,13 +160,16 @@ class ToolGaps:
         turns = self.last.setdefault(key, [])
         turn = Turn(tuple(tokens), locate)
         turns.append(turn)
-        while len(turns) > self.max_instances:  # (an instance that never resumed)
+        self.num_turns += 1
+        if len(turns) > self.max_instances:  # (an instance that never resumed)
             self._drop_turn(key, turns.pop(0))
         self.last.move_to_end(key)
-        while len(self.last) > self.max_tracked:
-            old_key, old = self.last.popitem(last=False)
-            for t in old:
-                self._drop_turn(old_key, t)
+        while self.num_turns > self.max_tracked:  # the least recently finished agent's oldest
+            old_key = next(iter(self.last))
+            old = self.last[old_key]
+            self._drop_turn(old_key, old.pop(0))
+            if not old:
+                del self.last[old_key]
         if now is None or siblings or not self.extends.get(self._learn_key(key, app)):
             return
         self._open(key, turn, Gap(workflow, app, agent, now, INF, INF, kind="turn"), now)
@@ -216,6 +220,7 @@ class ToolGaps:
             self._learn(self._learn_key(key, app), extends)
         if extends:
             turns.remove(best)  # resumed: the new request's own turn will follow it
+            self.num_turns -= 1
             if best.gap is not None:
                 self._close(key, best, now)
             return
@@ -263,7 +268,7 @@ class ToolGaps:
         for key in [k for k in self.gaps if k[0] == wf]:
             del self.gaps[key]
         for key in [k for k in self.last if k[0] == wf]:
-            del self.last[key]
+            self.num_turns -= len(self.last.pop(key))
             self.extends.pop(("wf",) + key, None)  # (an app's agents stay learned)
 
     def as_dict(self) -> dict:
@@ -303,7 +308,8 @@ class ToolGaps:
                 t.gap = None
 
     def _drop_turn(self, key: tuple, turn: Turn) -> None:
-        """A turn no longer tracked: its gap (if any) goes with it."""
+        """A turn no longer tracked (taken out of ``last`` by the caller): its gap goes too."""
+        self.num_turns -= 1
         if turn.gap is not None and self.gaps.get(key + (turn.gap.slot,)) is turn.gap:
             del self.gaps[key + (turn.gap.slot,)]
             self._set(turn.gap, INF, max(self.now_seen, turn.gap.started))

@@ -315,3 +315,18 @@ def test_a_tool_gap_moves_when_the_engine_wakes_for_it_and_stays_near():
     for _ in range(3):                                               # the prefetch lands
         m.tick(m.clock.t)
         assert m.tags.effective_ste(tag) == 1
+
+
+def test_finished_turns_tracked_are_bounded_in_all():
+    """Every agent's unresumed turns count against one bound (``max_tracked``): a server with
+    many workflows whose agents never resume keeps the most recently finished turns only."""
+    m = make_manager("kvflow", device_pages=256, host_pages=512)
+    m.gaps.max_tracked = 8
+    fixed = list(range(1000, 1000 + F))
+    for w in range(5):
+        for i in range(3):                                           # 3 instances each
+            turn(m, fixed + list(range(20_000 + 1000 * w + 100 * i, 20_000 + 1000 * w + 100 * i + H)),
+                 f"w{w}", "X", {"X": 0}, out=range(9000, 9000 + OUT))
+    kept = [(k[0], t.tokens[F]) for k, ts in m.gaps.last.items() for t in ts]
+    assert m.gaps.num_turns == len(kept) == 8
+    assert [wf for wf, _ in kept] == ["w2"] * 2 + ["w3"] * 3 + ["w4"] * 3 and kept[0][1] == 22_100
