@@ -42,14 +42,14 @@ fan-out of executors) keep the agent at STE 0 until the last one ends, so that S
 nothing about when a finished instance's turn is read again, and holding each finished turn
 at 0 took the room the next agent's prefetch needed (RESULTS.md §6.42).
 
-**Parallel instances.** The hints name an agent, not an instance, so the server tells
-instances apart by their tokens: it keeps each finished turn of an agent not resumed yet
-(``last``: up to ``max_instances`` per agent, ``max_tracked`` in all), a tool hint opens its gap on the most recently finished
-of them without a tool gap (the instance whose tool just started: LangGraph posts the tool
-step right after that instance's call), each gap under a resume tag of its own
+**Parallel instances.** The hints name an agent, not an instance, so the server tells instances
+apart by their tokens: it keeps each finished turn of an agent not resumed yet (``last``: up to
+``max_instances`` per agent, ``max_tracked`` in all), a tool hint opens its gap on the most
+recently finished of them without a tool gap (the instance whose tool just started: LangGraph
+posts the tool step right after that instance's call), each gap under a resume tag of its own
 (``agent⟲``, ``agent⟲2``, ...), and a request closes the gap of the turn it extends. With one
-key per agent, three ``Send`` executors each calling their tool kept one turn between them,
-and the first executor to resume closed that one too (RESULTS.md §6.43).
+key per agent, three ``Send`` executors each calling their tool kept one turn between them, and
+the first executor to resume closed that one too (RESULTS.md §6.43).
 
 Invariants: T1 a resume tag exists only while its gap is open (between the tool hint, or the
 end of a learned agent's turn, and the agent's next request, the expiry or the workflow's end);
@@ -107,8 +107,8 @@ class Turn:
 
 
 def resume_agent(agent: str, slot: int = 0) -> str:
-    """The resume tag's agent name: ``agent⟲`` for the first gap open, ``agent⟲2``, ``agent⟲3``
-    for more instances of the agent waiting at once."""
+    """The resume tag's agent name: ``agent⟲`` for the first gap open, ``agent⟲2``,
+    ``agent⟲3`` for more instances of the agent waiting at once."""
     return agent + RESUME + (str(slot + 1) if slot else "")
 
 
