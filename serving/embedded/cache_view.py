@@ -13,7 +13,7 @@ loads read as ``device``). Sizes are in tokens, not pages, for a person debuggin
      "queue": {"waiting", "loading", "running"}, "loads_in_flight": 0,
      "link": {"emulated_gbps": 0.5 | null}, "metrics": {...},
      "gaps": {"turn_gaps", "open_tool", "open_turn", "tool_opened", "turns_opened",
-              "closed_by_request", "tool_expired", "agents_learned"},
+              "closed_by_request", "tool_expired", "agents_learned", "turns_tracked"},
      "engine": {"steps", "decode_steps", "prefill_forward_s", "decode_forward_s", "copy_s"}}
 
 ``engine.copy_s``: wall seconds copying KV between the tiers (loads and backups; CPU: on the

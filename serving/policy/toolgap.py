@@ -277,7 +277,8 @@ class ToolGaps:
         return {"turn_gaps": self.turn_gaps, "open_tool": kinds.count("tool"),
                 "open_turn": kinds.count("turn"), "tool_opened": self.opened,
                 "turns_opened": self.turns_opened, "closed_by_request": self.closed_by_request,
-                "tool_expired": self.expired, "agents_learned": len(self.extends)}
+                "tool_expired": self.expired, "agents_learned": len(self.extends),
+                "turns_tracked": self.num_turns}
 
     # ------------------------------------------------------------------ gaps
     def _open(self, key: tuple, turn: Turn, gap: Gap, now: float) -> None:

@@ -328,5 +328,5 @@ def test_finished_turns_tracked_are_bounded_in_all():
             turn(m, fixed + list(range(20_000 + 1000 * w + 100 * i, 20_000 + 1000 * w + 100 * i + H)),
                  f"w{w}", "X", {"X": 0}, out=range(9000, 9000 + OUT))
     kept = [(k[0], t.tokens[F]) for k, ts in m.gaps.last.items() for t in ts]
-    assert m.gaps.num_turns == len(kept) == 8
+    assert m.gaps.num_turns == len(kept) == 8 == m.snapshot()["gaps"]["turns_tracked"]
     assert [wf for wf, _ in kept] == ["w2"] * 2 + ["w3"] * 3 + ["w4"] * 3 and kept[0][1] == 22_100
