@@ -53,7 +53,8 @@ the first executor to resume closed that one too (RESULTS.md §6.43).
 
 Invariants: T1 a resume tag exists only while its gap is open (between the tool hint, or the
 end of a learned agent's turn, and the agent's next request, the expiry or the workflow's end);
-T2 a tool gap's STE is ``hold_ste`` before ``resume_at - lead`` and ``near_ste`` from then on,
+T2 a tool gap's STE is ``hold_ste`` before ``resume_at - lead`` and from then on ``near_ste``,
+or the agent's own effective STE when that is lower (another instance of it running),
 a turn gap's the agent's effective STE as of the last :meth:`tick`; T3 without
 ``kvflow_tool_s`` and without an agent whose prompts extend its last turn past its fixed prefix
 nothing here runs (the policy is exactly the one without gaps); T4 an agent with no fixed
@@ -92,6 +93,7 @@ class Gap:
     ste: float = INF
     kind: str = "tool"   # "tool": planned from the tool's duration; "turn": the agent's own STE
     slot: int = 0        # which of the agent's resume tags (one per instance with a gap open)
+    near: bool = False   # a tool gap past ``resume_at - lead`` (T2)
 
     @property
     def tag_agent(self) -> str:
@@ -321,9 +323,15 @@ class ToolGaps:
             return self.tags.effective_ste((workflow_key(gap.workflow, gap.app), gap.agent))
         if now >= gap.expires_at:
             return INF
-        if gap.ste == self.near_ste:  # (T2: near from then on; once back on device its lead
-            return self.near_ste     # shrinks, and holding it again would let it go again)
-        return self.near_ste if now >= self._near_at(gap) else self.hold_ste
+        # (T2: near from then on; once back on device its lead shrinks, and holding it again
+        # would let it go again)
+        gap.near = gap.near or now >= self._near_at(gap)
+        if not gap.near:
+            return self.hold_ste
+        # A sibling instance of the agent running puts the agent at STE 0: its resumes come
+        # before whatever waits for all of them (a fan-in's next agent, at 1 by the graph)
+        return min(self.near_ste, self.tags.effective_ste((workflow_key(gap.workflow, gap.app),
+                                                           gap.agent)))
 
     def _near_at(self, gap: Gap) -> float:
         """When a tool gap goes near: ``resume_at - lead`` (one formula for :meth:`_plan` and
@@ -341,5 +349,5 @@ class ToolGaps:
         for g in self.gaps.values():
             if g.kind == "turn":  # moves with hints, not with time
                 continue
-            times.append(g.expires_at if g.ste == self.near_ste else self._near_at(g))
+            times.append(g.expires_at if g.near else self._near_at(g))
         return min(times) if times else None
