@@ -330,3 +330,38 @@ def test_finished_turns_tracked_are_bounded_in_all():
     kept = [(k[0], t.tokens[F]) for k, ts in m.gaps.last.items() for t in ts]
     assert m.gaps.num_turns == len(kept) == 8 == m.snapshot()["gaps"]["turns_tracked"]
     assert [wf for wf, _ in kept] == ["w2"] * 2 + ["w3"] * 3 + ["w4"] * 3 and kept[0][1] == 22_100
+
+
+def test_waiting_instances_rank_above_the_fan_ins_next_agent_while_a_sibling_runs():
+    """T2: a near tool gap takes the agent's own STE when that is lower. LangGraph PEER's
+    executors: while one instance's resumed call runs (the agent at STE 0), the others' turns,
+    still in their tools, rank above the expresser (STE 1 by the graph: it runs once they all
+    end) instead of level with it, so its prefetch does not take their pages."""
+    m = make_manager("kvflow", device_pages=256, host_pages=512)
+    fixed = list(range(1000, 1000 + F))
+    sessions = []
+    for i in range(3):
+        s = m.arrive(fixed + list(range(9000 + 100 * i, 9000 + 100 * i + H)),
+                     Hints(workflow="w", agent="X", ste={"X": 0, "E": 1}), fixed_len=F,
+                     kv_tokens=F + H + OUT)
+        assert s.poll().ready and s.admit()
+        s.commit()
+        sessions.append(s)
+    turns = []
+    for i, s in enumerate(sessions):
+        seq = list(s.tokens) + list(range(9500 + 10 * i, 9500 + 10 * i + OUT))
+        s.finish(seq, len(seq))
+        turns.append(seq)
+        m.apply_hints(Hints(workflow="w", agent="T", ste={"T": 0, "X": 1, "E": 2},
+                            event="transition", tool_s={"X": 0.0}))    # a search: back at once
+    m.tick(m.clock.t)
+    assert [g.ste for g in m.gaps.open_gaps("w", "X")] == [1, 1, 1]  # near, the agent's 1
+    m.arrive(turns[0] + [4000], Hints(workflow="w", agent="X", ste={"X": 0, "E": 1}), fixed_len=F,
+             kv_tokens=len(turns[0]) + 1 + OUT)                     # the first resume: in flight
+    m.tick(m.clock.t)
+    waiting = m.gaps.open_gaps("w", "X")
+    assert len(waiting) == 2 and {m.tags.effective_ste(("w", g.tag_agent)) for g in waiting} == {0}
+    assert m.tags.effective_ste(("w", "E")) == 1
+    m.apply_hints(Hints(workflow="w", agent="T", ste={"T": 0, "X": 1, "E": 2}, event="transition"))
+    m.tick(m.clock.t)                                                # the agent back at 1: so are they
+    assert {m.tags.effective_ste(("w", g.tag_agent)) for g in m.gaps.open_gaps("w", "X")} == {1}
