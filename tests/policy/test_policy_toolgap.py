@@ -252,28 +252,35 @@ def test_a_shared_message_header_past_the_fixed_prompt_is_not_a_history():
 
 
 # ---------------------------------------------------------------- parallel instances
+def fan_out_with_tools(m, ste, tool_ste, tool_s):
+    """Three instances of agent X at once (a ``Send`` fan-out) with hints ``ste``; each ends in
+    turn and its tool step starts (a transition with ``tool_ste`` and ``kvflow_tool_s = {X:
+    tool_s}``). Returns their turns (prompt + generated)."""
+    fixed = list(range(1000, 1000 + F))
+    sessions = []
+    for i in range(3):
+        s = m.arrive(fixed + list(range(9000 + 100 * i, 9000 + 100 * i + H)),
+                     Hints(workflow="w", agent="X", ste=ste), fixed_len=F, kv_tokens=F + H + OUT)
+        assert s.poll().ready and s.admit()
+        s.commit()
+        sessions.append(s)
+    turns = []
+    for i, s in enumerate(sessions):
+        seq = list(s.tokens) + list(range(9500 + 10 * i, 9500 + 10 * i + OUT))
+        s.finish(seq, len(seq))
+        turns.append(seq)
+        m.apply_hints(Hints(workflow="w", agent="T", ste=tool_ste, event="transition",
+                            tool_s={"X": tool_s}))
+    return turns
+
+
 def test_parallel_instances_waiting_on_their_tools_each_keep_their_own_turn():
     """LangGraph's ``Send`` fan-out of ReAct executors: three instances of one agent each call
     a tool and resume with their own last turn. Each tool hint keeps the turn of the instance
     that just finished (the most recent one without a gap), so under pressure every resumed
     request finds its whole last turn, not only the last instance to have called its tool."""
     m = make_manager("kvflow", device_pages=112, host_pages=512, link=200.0)
-    fixed = list(range(1000, 1000 + F))
-    sessions = []
-    for i in range(3):                                               # three X's at once
-        s = m.arrive(fixed + list(range(9000 + 100 * i, 9000 + 100 * i + H)),
-                     Hints(workflow="w", agent="X", ste={"X": 0, "T": 1}), fixed_len=F,
-                     kv_tokens=F + H + OUT)
-        assert s.poll().ready and s.admit()
-        s.commit()
-        sessions.append(s)
-    turns = []
-    for i, s in enumerate(sessions):                                 # each ends, its tool starts
-        seq = list(s.tokens) + list(range(9500 + 10 * i, 9500 + 10 * i + OUT))
-        s.finish(seq, len(seq))
-        turns.append(seq)
-        m.apply_hints(Hints(workflow="w", agent="T", ste={"T": 0, "X": 1}, event="transition",
-                            tool_s={"X": 1.0}))
+    turns = fan_out_with_tools(m, {"X": 0, "T": 1}, {"T": 0, "X": 1}, 1.0)
     assert len(m.gaps.gaps) == 3 and m.gaps.opened == 3
     gaps = m.gaps.open_gaps("w", "X")
     assert [g.tag_agent for g in gaps] == ["X" + RESUME, "X" + RESUME + "2", "X" + RESUME + "3"]
@@ -338,22 +345,7 @@ def test_waiting_instances_rank_above_the_fan_ins_next_agent_while_a_sibling_run
     still in their tools, rank above the expresser (STE 1 by the graph: it runs once they all
     end) instead of level with it, so its prefetch does not take their pages."""
     m = make_manager("kvflow", device_pages=256, host_pages=512)
-    fixed = list(range(1000, 1000 + F))
-    sessions = []
-    for i in range(3):
-        s = m.arrive(fixed + list(range(9000 + 100 * i, 9000 + 100 * i + H)),
-                     Hints(workflow="w", agent="X", ste={"X": 0, "E": 1}), fixed_len=F,
-                     kv_tokens=F + H + OUT)
-        assert s.poll().ready and s.admit()
-        s.commit()
-        sessions.append(s)
-    turns = []
-    for i, s in enumerate(sessions):
-        seq = list(s.tokens) + list(range(9500 + 10 * i, 9500 + 10 * i + OUT))
-        s.finish(seq, len(seq))
-        turns.append(seq)
-        m.apply_hints(Hints(workflow="w", agent="T", ste={"T": 0, "X": 1, "E": 2},
-                            event="transition", tool_s={"X": 0.0}))    # a search: back at once
+    turns = fan_out_with_tools(m, {"X": 0, "E": 1}, {"T": 0, "X": 1, "E": 2}, 0.0)  # back at once
     m.tick(m.clock.t)
     assert [g.ste for g in m.gaps.open_gaps("w", "X")] == [1, 1, 1]  # near, the agent's 1
     m.arrive(turns[0] + [4000], Hints(workflow="w", agent="X", ste={"X": 0, "E": 1}), fixed_len=F,
