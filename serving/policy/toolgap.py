@@ -297,10 +297,10 @@ class ToolGaps:
                                    app=gap.app, locate=turn.locate, remember=False)
         self._set(gap, self._plan(gap, now), now)
 
-    def _close(self, key: tuple, turn: Turn, now: float) -> None:
+    def _close(self, key: tuple, turn: Turn, now: float, *, by_request: bool = True) -> None:
         gap, turn.gap = turn.gap, None
         if self.gaps.pop(key + (gap.slot,), None) is gap:
-            self.closed_by_request += 1
+            self.closed_by_request += by_request
             self._set(gap, INF, now)
 
     def _forget_gap(self, gap: Gap) -> None:
@@ -313,9 +313,8 @@ class ToolGaps:
     def _drop_turn(self, key: tuple, turn: Turn) -> None:
         """A turn no longer tracked (taken out of ``last`` by the caller): its gap goes too."""
         self.num_turns -= 1
-        if turn.gap is not None and self.gaps.get(key + (turn.gap.slot,)) is turn.gap:
-            del self.gaps[key + (turn.gap.slot,)]
-            self._set(turn.gap, INF, max(self.now_seen, turn.gap.started))
+        if turn.gap is not None:
+            self._close(key, turn, max(self.now_seen, turn.gap.started), by_request=False)
 
     # ------------------------------------------------------------------ plan
     def _plan(self, gap: Gap, now: float) -> float:
