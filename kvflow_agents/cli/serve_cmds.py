@@ -46,6 +46,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                  "called again after the expresser) and keep that turn cached at the agent's "
                  "own steps-to-execution until its next request; --no-turn-gaps: only a tool "
                  "hint (kvflow_tool_s) does that."),
+        layerwise_load: bool = typer.Option(
+            True, "--layerwise-load/--whole-load",
+            help="Admit a request whose prefix is still loading from host and let its prefill "
+                 "read each layer as it lands, so the load overlaps the request's own compute "
+                 "(the default, as SGLang's HiCache loads), or admit it only once the whole "
+                 "prefix has landed. The status-aware skip (kvflow) still holds a loading "
+                 "request back while others run unless its own prefill hides the load."),
         copy_thread: bool = typer.Option(
             False, "--copy-thread/--inline-copies",
             help="CPU only: KV copies (host backups, loads) on a background thread, or inline "
@@ -203,7 +210,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
-                           turn_gaps=turn_gaps,
+                           turn_gaps=turn_gaps, layerwise_load=layerwise_load,
                            copy_thread=copy_thread,
                            lazy_decode_pages=lazy_decode_pages, decode_reserve=decode_reserve,
                            admission=admission, status_aware=status_aware,

@@ -223,7 +223,11 @@ class Engine(EngineAPI, EngineLoop):
                          # wall seconds inside the model's forwards (engine thread): what the
                          # process's speed does to every policy alike; the benches pair trials by
                          # it. On CUDA only the launches (the forward is asynchronous there)
-                         "prefill_forward_s": 0.0, "decode_forward_s": 0.0}
+                         "prefill_forward_s": 0.0, "decode_forward_s": 0.0,
+                         # prefills admitted with their prefix's load in flight (layer-wise
+                         # overlap) and the seconds they waited on its layers
+                         "layerwise_loads": 0, "layerwise_wait_s": 0.0}
+        self._sleep = time.sleep  # the layer-wise load wait (tests may count it instead)
         self._snapshot: dict = {}
         self._outbox: dict = {}            # outlet -> [(key, event)] of this step (BatchedSink)
         self._published = 0.0
@@ -270,12 +274,13 @@ class Engine(EngineAPI, EngineLoop):
     def describe(self) -> dict:
         """What was fixed at start, as plain data: the startup line, and the HTTP side of an
         engine in its own process (``engine_core``)."""
-        mgr, sched = self.manager, self.scheduler
+        mgr, sched, cfg = self.manager, self.scheduler, self.config
         return {"model_name": self.model_name, "load_s": self.load_s, "policy": self.policy.name,
                 "host_tier": self.policy.host_tier, "backup": getattr(self.policy, "backup", None),
                 "copy_mode": self.pool.copy_mode, "admission": mgr.admission.order,
                 "status_aware": sched.status_aware, "skip_scope": sched.skip_scope,
-                "decode_reserve": mgr.decode_reserve, "capacity_tokens": self.capacity_tokens}
+                "decode_reserve": mgr.decode_reserve, "capacity_tokens": self.capacity_tokens,
+                "layerwise_load": cfg.layerwise_load}
 
     @property
     def capacity_tokens(self) -> Optional[int]:

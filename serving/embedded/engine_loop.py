@@ -307,13 +307,41 @@ class EngineLoop:
         self.manager.set_client_cap(None if n <= 1 else max(1, self.manager.device.capacity // n))
 
     def _is_ready(self, req: Request) -> bool:
-        """Status-aware readiness (the scheduler's admission rule): only requests a step has
-        already looked at; a wait on a load is recorded by the session (hidden/exposed)."""
-        return req.session.looked and req.poll()
+        """Readiness (the scheduler's admission rule): only requests a step has already looked
+        at; ready when their prefix is readable, or, while a load on it is in flight, when
+        :meth:`_may_load_inline` lets the load overlap the request's own prefill. A wait on a
+        load is recorded by the session (hidden/exposed)."""
+        if not req.session.looked:
+            return False
+        if req.poll():
+            return True
+        if req.state is RequestState.LOADING and self._may_load_inline(req):
+            req.load_inline = True
+            return True
+        return False
+
+    def _may_load_inline(self, req: Request) -> bool:
+        """Admit a request whose prefix is still loading, its prefill reading each layer as it
+        lands (``EngineConfig.layerwise_load``; SGLang's HiCache loads a batch's prefixes so).
+        Without the status-aware skip always, as SGLang's batch does: the step waits on the
+        load's layers instead of the request waiting for all of it. With the skip only where it
+        holds nobody up: nothing else runs, or the load lands within the time the request's own
+        prefill is estimated to take (the simulator's rule), so the others' decode barely
+        stalls; otherwise it is skipped while they run."""
+        if not self.config.layerwise_load:
+            return False
+        if not self.scheduler.status_aware or not self.scheduler.running:
+            return True
+        p = req.last_poll
+        if p is None or p.ready_at is None:
+            return False
+        hide = self.manager.loads.recompute_s(len(req.session.tokens) - p.cached_len, p.cached_len)
+        return hide is not None and p.ready_at - self.pool.now() <= hide
 
     def _admit(self, req: Request) -> bool:
+        inline, req.load_inline = req.load_inline, False
         try:
-            if not req.session.admit():
+            if not req.session.admit(load_inline=inline):
                 return False  # wait for running requests to free memory (no overtaking)
         except CacheFullError:
             self._finish(req, "error", error="not enough device KV memory for this request")
@@ -358,12 +386,22 @@ class EngineLoop:
         return did
 
     def _prefill_chunk(self, req: Request, k: int) -> None:
-        tokens = req.session.tokens
+        tokens, s = req.session.tokens, req.session
         self.pool.wait_copies(req.pages)  # loads into its prefix landed, backups out of reused pages read
+        # admitted with its load in flight: each layer waits for that layer to land
+        ready_at = s.layer_ready_times(self.model.config.num_layers) if s.inline_loads else None
+        waits: list = []
+        before_layer = None if ready_at is None else self._layer_waiter(ready_at, waits)
         t0 = time.perf_counter()
         logits = self.model.prefill(self.pool.device_kv, tokens[req.prefilled:req.prefilled + k],
-                                    req.pages, req.prefilled)
+                                    req.pages, req.prefilled, before_layer=before_layer)
         dt = time.perf_counter() - t0
+        if ready_at is not None:
+            waited = sum(b - a for a, b in waits)
+            dt -= waited  # the forward's own time (prefill speed, recompute estimate)
+            self.counters["layerwise_loads"] += 1
+            self.counters["layerwise_wait_s"] += waited
+            s.overlapped(waits)
         self.counters["prefill_forward_s"] += dt
         if self.config.recompute_aware:  # the recompute estimate of load-vs-recompute
             self.manager.observe_prefill(k, dt)
@@ -373,6 +411,18 @@ class EngineLoop:
             req.session.commit()  # the prompt joins the tree; the fixed prefix is tagged
             if not req.output_ids:  # (a retracted request's next input is its last output)
                 self._emit(req, *self.sampler.sample(logits, [req])[0])
+
+    def _layer_waiter(self, ready_at: list, waits: list) -> Callable[[int], None]:
+        """``before_layer`` for a prefill whose prefix loads layer by layer: sleep until layer
+        ``i`` has landed (``ready_at[i]``, the pool's clock), recording each wait in ``waits``."""
+        now, sleep = self.pool.now, self._sleep
+
+        def before_layer(i: int) -> None:
+            t = now()
+            if ready_at[i] > t:
+                sleep(ready_at[i] - t)
+                waits.append((t, now()))
+        return before_layer
 
     def _ensure_device_capacity(self) -> None:
         """The oracle's page allocator grows; grow the device tensor to match."""

@@ -187,6 +187,8 @@ class Request:
     sampling: Any = None               # sampling.RequestSampling, made at the first token
     logprobs: list = field(default_factory=list)
     skips: int = 0
+    last_poll: Any = None              # its session's last Poll (state, ready_at, cached_len)
+    load_inline: bool = False          # admit it with its load in flight (layer-wise overlap)
     prefill_at: Optional[float] = None
     first_token_at: Optional[float] = None
 
@@ -195,7 +197,7 @@ class Request:
         its prefix and, with ``start_load``, starts a demand load of a host-only part).
         State LOADING while a load on its prefix is in flight (a demand load or a prefetch),
         else WAITING (ready, or host-only with no load started: passed over, or no room)."""
-        p = self.session.poll(start_load=start_load)
+        p = self.last_poll = self.session.poll(start_load=start_load)
         self.state = RequestState.LOADING if p.state is Readiness.LOADING else RequestState.WAITING
         return p.ready
 

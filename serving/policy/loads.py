@@ -30,8 +30,10 @@ Hidden / exposed accounting (``metrics.load_hidden_s`` / ``load_exposed_s``): a 
 exposed from its start to its landing; a prefetch is credited when a request first reads it
 (:meth:`credit_use`): exposed = ``ready - first attempt`` (at most its transfer), hidden = the
 rest, where the first attempt is the earliest :meth:`note_wait` (a request skipped because the
-prefetch was still in flight), else the use itself. Wasted: a prefetch wholly evicted or whose
-workflow ended before any use (:meth:`mark_wasted`, :meth:`abandon`), counted by what took it
+prefetch was still in flight), else the use itself. A request admitted while a load on its
+prefix is still in flight (layer-wise overlap: its prefill waits for each layer as it lands)
+moves what its prefill hid from exposed to hidden (:meth:`credit_overlap`). Wasted: a prefetch
+wholly evicted or whose workflow ended before any use (:meth:`mark_wasted`, :meth:`abandon`), counted by what took it
 (``metrics.prefetch_wasted_by``); a tail evicted while its head stays readable is not wasted
 (its pages count in ``prefetch_evicted_pages``; the store decides, :mod:`.eviction`).
 
@@ -69,10 +71,17 @@ class Load:
     wasted: bool = False
     read: bool = False         # some admitted request claimed it (engines' per-request stats)
     first_wait: float | None = None  # first time a request was skipped because it was in flight
+    exposed_s: float = 0.0     # what it charged to ``load_exposed_s`` (note_demand / credit_use)
+    overlapped: bool = False   # a reader's prefill overlapped its rest (credit_overlap ran)
 
     @property
     def transfer_s(self) -> float:
         return max(0.0, self.ready - self.start)
+
+    def layer_ready_at(self, i: int, layers: int) -> float:
+        """When layer ``i`` of ``layers`` is readable: a load moves one layer after another
+        over its link time (``link_start`` .. ``ready``), as SGLang's HiCache loads do."""
+        return self.link_start + (self.ready - self.link_start) * (i + 1) / max(1, layers)
 
 
 class LoadTracker:
@@ -236,7 +245,8 @@ class LoadTracker:
         m = self.metrics
         m.demand_loads += 1
         m.demand_load_pages += ld.pages
-        m.load_exposed_s += max(0.0, ld.ready - now)
+        ld.exposed_s = max(0.0, ld.ready - now)
+        m.load_exposed_s += ld.exposed_s
 
     def note_prefetch(self, ld: Load) -> None:
         self.metrics.prefetch_issued += 1
@@ -261,6 +271,25 @@ class LoadTracker:
         exposed = min(transfer, max(0.0, ld.ready - max(first, ld.start)))
         m.load_hidden_s += transfer - exposed
         m.load_exposed_s += exposed
+        ld.exposed_s = exposed
+
+    def credit_overlap(self, ld: Load, since: float, waits: list[tuple[float, float]]) -> float:
+        """A request admitted at ``since`` read ``ld`` while it was still in flight, its prefill
+        waiting layer by layer (layer-wise overlap) during the intervals ``waits``: of the rest
+        of the transfer (``since`` .. ``ready``), what it did not wait was hidden behind its
+        compute. That part moves from exposed to hidden, once per load, at most what the load
+        was charged (a demand load is charged from its start, a prefetch from its first
+        reader's first look, both before ``since``). Returns the seconds moved."""
+        if ld.overlapped or ld.wasted:
+            return 0.0
+        ld.overlapped = True
+        rest = max(0.0, ld.ready - since)
+        waited = sum(max(0.0, min(b, ld.ready) - max(a, since)) for a, b in waits)
+        moved = min(ld.exposed_s, max(0.0, rest - waited))
+        ld.exposed_s -= moved
+        self.metrics.load_exposed_s -= moved
+        self.metrics.load_hidden_s += moved
+        return moved
 
     def mark_wasted(self, ld: Load | None, reason: str) -> None:
         """``ld``'s pages left the device before any request read it (``reason``: what evicted

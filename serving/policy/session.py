@@ -20,7 +20,11 @@ from the cache, and decodes on).
 
 - READY: the cached prefix is readable (or nothing is cached): admit now;
 - LOADING: a load (a prefetch, or this request's demand load) is in flight on its prefix; a
-  status-aware engine skips it (the wait is recorded: exposed load time) and polls again;
+  status-aware engine skips it (the wait is recorded: exposed load time) and polls again, or
+  admits it now with ``admit(load_inline=True)`` and overlaps the load with the request's own
+  prefill layer by layer, as SGLang's HiCache does: ``layer_ready_times(L)`` says when each
+  layer of the prefix is readable, ``overlapped(waits)`` records what the prefill waited (and
+  credits what it hid);
 - NEEDS_LOAD: a host-only part is not loading: ``poll(start_load=False)`` leaves the choice to
   the engine (``load()`` now, or ``admit(load_inline=True)`` to overlap it with its own
   prefill), or a started load found no device room (``reason="no_room"``: poll again);
@@ -122,6 +126,8 @@ class RequestSession:
         self.needs_room = False          # the last grow found no room past the reserve
         self.retractions = 0             # after one it reserves all of kv_tokens (full_reserve)
         self.ready_at: float | None = None  # an inline load lands then (admit(load_inline=True))
+        self.inline_loads: list = []     # ... the loads on its reused prefix then in flight
+        self.admitted_at: float | None = None
         self.loads_read: list = []
         self.load_wait_s = 0.0
         self._wait_since: float | None = None
@@ -297,15 +303,41 @@ class RequestSession:
             self.prompt_reused = reuse
             self.host_hit = min(self.host_hit, max(0, reuse - self.device_hit))
             self.device_hit = reuse - self.host_hit
+        self.admitted_at = store.backend.now()
+        self.inline_loads = []
         for ld in store.path_loads(self.tokens[:reuse]):
             if not ld.read:
                 ld.read = True
                 self.loads_read.append(ld)
+            if self.ready_at is not None and not ld.done:
+                self.inline_loads.append(ld)
         self.state = "admitted"
         mgr._admitted(self)
         return True
 
     # ------------------------------------------------------------------ running
+    def layer_ready_times(self, layers: int) -> list[float] | None:
+        """Admitted with loads on its reused prefix still in flight (``admit(load_inline=True)``):
+        when each of the model's ``layers`` layers of that prefix is readable, the latest of
+        those loads layer by layer (:meth:`Load.layer_ready_at`). None when none is in flight
+        (or none was when it was admitted): the prefill reads at once."""
+        loads = [ld for ld in self.inline_loads if not ld.done]
+        if not loads:
+            return None
+        return [max(ld.layer_ready_at(i, layers) for ld in loads) for i in range(layers)]
+
+    def overlapped(self, waits: Sequence[tuple[float, float]]) -> None:
+        """Its prefill read the loads it was admitted with layer by layer and waited during
+        ``waits`` (intervals on the backend's clock): the wait is this request's load wait;
+        what its compute hid moves from exposed to hidden (``LoadTracker.credit_overlap``);
+        the loads, all landed now, are landed in the tree before its prompt joins it."""
+        store = self._mgr.store
+        self.load_wait_s += sum(max(0.0, b - a) for a, b in waits)
+        for ld in self.inline_loads:
+            store.loads.credit_overlap(ld, self.admitted_at, list(waits))
+        self.inline_loads = []
+        store.poll_loads(store.backend.now())
+
     def grow(self, n_tokens: int) -> bool:
         """Lazy decode: make ``pages`` cover the first ``n_tokens`` tokens (call it before a
         decode step writes token ``n_tokens - 1``), out of the admission's reserve; evicting
@@ -361,6 +393,7 @@ class RequestSession:
         self.tokens = list(seq[:written])
         self.own_from = 0
         self.ready_at, self.recompute_host, self.needs_room = None, False, False
+        self.inline_loads = []
         self.retractions += 1
         self.state = "waiting"
         self._mgr._retracted(self)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -165,7 +165,11 @@ class LlamaModel:
     @torch.inference_mode()
     def prefill(self, kv: torch.Tensor, tokens: Sequence[int] | torch.Tensor,
                 pages: Sequence[int], cached_len: int, *, chunk_size: int = 512,
-                return_all: bool = False) -> torch.Tensor:
+                return_all: bool = False,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Prefill ``tokens`` after the ``cached_len`` tokens whose KV ``pages`` hold.
+        ``before_layer(i)`` runs before layer ``i`` reads the cached prefix's KV (a load of it
+        still in flight lands layer by layer: the caller waits for layer ``i`` there)."""
         self._check_kv(kv)
         toks = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
         n, ps = toks.numel(), kv.shape[3]
@@ -178,12 +182,13 @@ class LlamaModel:
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             out = self._prefill_chunk(kv, toks[s:e], page_t, cached_len + s,
-                                      "all" if return_all else ("last" if e == n else None))
+                                      "all" if return_all else ("last" if e == n else None),
+                                      before_layer if s == 0 else None)
             if out is not None:
                 outs.append(out)
         return torch.cat(outs) if return_all else outs[-1][-1]
 
-    def _prefill_chunk(self, kv, toks, page_t, start, want):
+    def _prefill_chunk(self, kv, toks, page_t, start, want, before_layer=None):
         c, ps = self.config, kv.shape[3]
         T, H, KVH, hd = toks.numel(), c.num_heads, c.num_kv_heads, c.head_dim
         G = H // KVH
@@ -205,6 +210,8 @@ class LlamaModel:
             flat[0].index_copy_(0, slots, k)
             flat[1].index_copy_(0, slots, v)
             if pre_pages is not None:
+                if before_layer is not None:
+                    before_layer(li)
                 kp = kv[li, 0].index_select(0, pre_pages).view(-1, KVH, hd)[:start]
                 vp = kv[li, 1].index_select(0, pre_pages).view(-1, KVH, hd)[:start]
                 k, v = torch.cat([kp, k]), torch.cat([vp, v])
