@@ -40,7 +40,7 @@ _COUNTERS = ("requests", "hit_tokens_device", "hit_tokens_host", "hit_tokens_loa
              "prefetch_stale", "prefetch_deferred", "load_hidden_s", "load_exposed_s", "retractions",
              # the engine's own (``/kvflow/v1/cache``'s "engine", prefixed): how fast the process ran
              "engine_steps", "engine_decode_steps", "engine_prefill_forward_s", "engine_decode_forward_s",
-             "engine_copy_s")
+             "engine_copy_s", "engine_layerwise_loads", "engine_layerwise_wait_s")
 _BY_REASON = ("evictions", "evicted_pages", "prefetch_wasted_by")   # counters keyed by reason
 
 

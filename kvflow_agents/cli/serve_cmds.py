@@ -52,7 +52,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                  "read each layer as it lands, so the load overlaps the request's own compute "
                  "(the default, as SGLang's HiCache loads), or admit it only once the whole "
                  "prefix has landed. The status-aware skip (kvflow) still holds a loading "
-                 "request back while others run unless its own prefill hides the load."),
+                 "request back unless its own prefill hides the load."),
         copy_thread: bool = typer.Option(
             False, "--copy-thread/--inline-copies",
             help="CPU only: KV copies (host backups, loads) on a background thread, or inline "

@@ -14,12 +14,16 @@ loads read as ``device``). Sizes are in tokens, not pages, for a person debuggin
      "link": {"emulated_gbps": 0.5 | null}, "metrics": {...},
      "gaps": {"turn_gaps", "open_tool", "open_turn", "tool_opened", "turns_opened",
               "closed_by_request", "tool_expired", "agents_learned", "turns_tracked"},
-     "engine": {"steps", "decode_steps", "prefill_forward_s", "decode_forward_s", "copy_s"}}
+     "engine": {"steps", "decode_steps", "prefill_forward_s", "decode_forward_s",
+                "layerwise_loads", "layerwise_wait_s", "copy_s"}}
 
 ``engine.copy_s``: wall seconds copying KV between the tiers (loads and backups; CPU: on the
 engine thread, or on the copy thread with ``--copy-thread``; CUDA: the launches and the
 backups' synchronous reads). A GPU's copy engine does the loads beside the forwards; on a CPU
-they take the forwards' cores, which is what this counter shows.
+they take the forwards' cores, which is what this counter shows. ``engine.layerwise_loads``:
+prefills admitted while a load on their prefix was in flight (``--layerwise-load``), each
+reading a layer as it landed; ``layerwise_wait_s``: the seconds they waited on those layers
+(their compute hid the rest, counted in ``metrics.load_hidden_s``).
 
 ``ste``/``priority`` ``null`` mean infinity (never again / not protected). With a ``tenant``
 (the server's tenancy), only that tenant's workflows are listed, under the ids it sent.
@@ -33,7 +37,8 @@ from typing import Optional
 
 # the engine's own counters a report carries beside the cache's: the benches read a process's
 # speed off them (model seconds per decode step) to pair trials run on different processes
-ENGINE_COUNTERS = ("steps", "decode_steps", "prefill_forward_s", "decode_forward_s")
+ENGINE_COUNTERS = ("steps", "decode_steps", "prefill_forward_s", "decode_forward_s",
+                   "layerwise_loads", "layerwise_wait_s")
 
 
 def cache_report(engine, tenant: Optional[str] = None) -> dict:

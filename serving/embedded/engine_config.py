@@ -81,8 +81,8 @@ class EngineConfig:
     # A request whose prefix is still loading (a demand load, a prefetch not landed yet) may be
     # admitted at once, its prefill waiting for each layer of the prefix as it lands, so the
     # load overlaps the request's own compute (SGLang's HiCache loads layer by layer so). The
-    # status-aware skip still holds it back while others run, unless its prefill hides the
-    # load (engine_loop._may_load_inline). False: admit only once the whole prefix landed.
+    # status-aware skip still holds it back unless its own prefill hides the load
+    # (engine_loop._may_load_inline). False: admit only once the whole prefix landed.
     layerwise_load: bool = True
     max_skip_s: float = 5.0               # a request skipped this long blocks younger ones
     status_aware: Optional[bool] = None   # None = the policy's default (kvflow: on)

@@ -324,13 +324,15 @@ class EngineLoop:
         """Admit a request whose prefix is still loading, its prefill reading each layer as it
         lands (``EngineConfig.layerwise_load``; SGLang's HiCache loads a batch's prefixes so).
         Without the status-aware skip always, as SGLang's batch does: the step waits on the
-        load's layers instead of the request waiting for all of it. With the skip only where it
-        holds nobody up: nothing else runs, or the load lands within the time the request's own
-        prefill is estimated to take (the simulator's rule), so the others' decode barely
-        stalls; otherwise it is skipped while they run."""
+        load's layers instead of the request waiting for all of it. With the skip only where
+        the load lands within the time the request's own prefill is estimated to take (the
+        measured prefill speed; none without ``recompute_aware``), so the step barely waits;
+        otherwise it is skipped as before. Not merely when nothing else runs: a longer load
+        would hold the engine thread in the prefill, and a request arriving meanwhile, which
+        the skip lets run, would wait for it."""
         if not self.config.layerwise_load:
             return False
-        if not self.scheduler.status_aware or not self.scheduler.running:
+        if not self.scheduler.status_aware:
             return True
         p = req.last_poll
         if p is None or p.ready_at is None:

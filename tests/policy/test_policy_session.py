@@ -61,6 +61,51 @@ def test_start_load_false_leaves_the_choice_and_inline_load_reuses_the_host_part
     assert s.reused == 4 and s.ready_at == pytest.approx(4.0)
 
 
+def test_a_loading_prefix_admitted_inline_lands_layer_by_layer_and_credits_what_its_prefill_hid():
+    """Layer-wise overlap: a request admitted while its demand load is in flight reads layer
+    i of its prefix at ``link_start + (i + 1) / L`` of the transfer; of the load's rest after
+    admission, what the prefill did not wait for moves from exposed to hidden, once per load,
+    and the waits are the request's load wait."""
+    m = make_manager("hicache", page_size=1, device_pages=16, host_pages=64, link=1.0)
+    to_host(m, [5] * 4, "A")
+    s = m.arrive([5] * 4 + [6], None)
+    assert s.poll().state is LOADING                    # 4 pages on the link: 0 .. 4 s
+    assert m.metrics.load_exposed_s == pytest.approx(4.0)  # a demand load: charged from its start
+    m.clock.t = 1.0
+    assert s.admit(load_inline=True) and s.reused == 4 and s.ready_at == pytest.approx(4.0)
+    assert s.layer_ready_times(4) == pytest.approx([1.0, 2.0, 3.0, 4.0])
+    assert s.layer_ready_times(2) == pytest.approx([2.0, 4.0])
+    # a second reader admitted inline on the same load: its prefill waits too
+    s2 = m.arrive([5] * 4 + [7], None)
+    assert s2.poll().state is LOADING and s2.admit(load_inline=True)
+    m.clock.t = 4.0                                     # the prefill computed 1-2.5 s and 3-3.5 s
+    s.overlapped([(2.5, 3.0), (3.5, 4.0)])
+    assert s.load_wait_s == pytest.approx(1.0 + 1.0)    # skipped 0-1 s, then two layer waits
+    assert m.metrics.load_hidden_s == pytest.approx(2.0)  # 3 s left at admission, 1 s waited
+    assert m.metrics.load_exposed_s == pytest.approx(2.0)
+    assert s.layer_ready_times(4) is None               # landed: nothing left to wait for
+    s2.overlapped([])
+    assert m.metrics.load_hidden_s == pytest.approx(2.0)  # credited once per load
+    for x in (s, s2):
+        x.commit()
+        x.finish(x.tokens, 5)
+    assert m.store.match([5] * 4).device_len == 4       # landed in the tree before the commits
+    m.check_invariants()
+
+
+def test_credit_overlap_moves_no_more_than_the_load_was_charged():
+    m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0)
+    to_host(m, [5] * 4, "A")
+    s = m.arrive([5] * 4 + [6], None)
+    s.poll()
+    (ld,) = m.store.path_loads([5] * 4)
+    ld.exposed_s = 0.5                                  # as if a prefetch charged only its tail
+    m.metrics.load_exposed_s = 0.5
+    assert m.loads.credit_overlap(ld, 0.0, []) == pytest.approx(0.5)
+    assert m.metrics.load_exposed_s == pytest.approx(0.0)
+    assert m.loads.credit_overlap(ld, 0.0, []) == 0.0
+
+
 def test_recompute_when_the_link_is_slower_than_prefill_plus_one_step():
     m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0,
                      recompute_s_per_token=1.5)        # loading 4 pages: 4 s; recompute: 6 s

@@ -488,3 +488,47 @@ def test_whole_node_eviction_keeps_prefixes_in_fewer_page_runs(tiny_model):
             runs[partial] = sum(seen) / len(seen)
     # measured: partial 3.1-3.5 runs per prefix, whole nodes 1.8
     assert runs[False] < runs[True], runs
+
+
+@pytest.mark.parametrize("policy", ["hicache", "kvflow"])
+def test_a_loading_prefix_is_read_layer_by_layer_by_its_own_prefill(tiny_model, policy):
+    """``layerwise_load``: a prompt whose prefix was evicted to host is admitted while its
+    demand load is still on the (slow, emulated) link; its prefill waits for each layer of the
+    prefix as it lands, never longer than the load, and gives the tokens of an engine that
+    waits for the whole load first. What the prefill's compute hid is counted as hidden load
+    time (the engine that waits hides none of a demand load). kvflow's status-aware skip
+    admits it so only where its own prefill is estimated to outlast the load: here the
+    estimate is pinned high (the real prefill takes milliseconds; when it does not hide the
+    load, the skip holds the request back: test_serving_kvflow's status-aware test)."""
+    import random as rnd
+
+    rng = rnd.Random(0)
+    a, b, tail = ([rng.randrange(10, 250) for _ in range(n)] for n in (600, 600, 300))
+    runs = {}
+    for layerwise in (True, False):
+        with Engine(loaded=tiny_model, model="tiny-random", policy=policy, device_tokens=1024,
+                    host_tokens=8192, host_link_gbps=0.002, recompute_aware=False,
+                    layerwise_load=layerwise) as eng:
+            slept: list = []
+
+            def sleep(s: float, real=eng._sleep) -> None:
+                slept.append(s)
+                real(s)
+            eng._sleep = sleep
+            eng.manager.loads.recompute_s = lambda n_tokens, ctx_tokens=0: 60.0  # "hides it"
+            eng.generate(a, max_tokens=4, ignore_eos=True)
+            eng.generate(b, max_tokens=4, ignore_eos=True)   # the pool holds one: a goes to host
+            out = eng.generate(a + tail, max_tokens=4, ignore_eos=True)
+            runs[layerwise] = out, slept, eng.call(lambda e: (
+                dict(e.counters), e.manager.metrics.load_hidden_s, e.manager.metrics.demand_loads,
+                e.pool.stats["load_pages"]))
+            eng.call(lambda e: e.manager.check_invariants())
+    (lw, slept, (counters, hidden, demand, pages)) = runs[True]
+    (whole, _, (c0, hidden0, _, _)) = runs[False]
+    assert lw.host_hit_tokens == whole.host_hit_tokens >= 512 and demand == 1 and pages >= 32
+    assert lw.token_ids == whole.token_ids and lw.computed_tokens == whole.computed_tokens
+    assert counters["layerwise_loads"] == 1 and c0["layerwise_loads"] == 0
+    n_layers = tiny_model[2].num_layers
+    assert 1 <= len(slept) <= n_layers                  # one wait at most per layer
+    assert counters["layerwise_wait_s"] > 0 and c0["layerwise_wait_s"] == 0
+    assert hidden > 0 and hidden0 == 0

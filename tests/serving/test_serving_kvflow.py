@@ -101,7 +101,9 @@ def test_recompute_aware_engine_recomputes_rather_than_wait_for_a_slow_link(serv
 @pytest.mark.parametrize("policy", ["kvflow", "hicache"])
 def test_status_aware_scheduling_runs_ready_requests_while_a_prefix_loads(serve, policy):
     """An agent's request waits ~1 s for its host-only prefix (emulated link). Under kvflow a
-    ready request sent after it runs meanwhile; under hicache (synchronous load) it waits.
+    ready request sent after it runs meanwhile (the load is far longer than the request's own
+    prefill, so it is skipped, not admitted layer-wise); under hicache it waits: the loading
+    request is admitted at once and its prefill holds the step while each layer lands.
     (The link is emulated slower than tiny-random recomputes, so loads are forced here.)"""
     with serve(policy=policy, host_link_gbps=0.00018, recompute_aware=False, **SMALL_POOL) as srv:
         c = srv.client()
@@ -113,9 +115,11 @@ def test_status_aware_scheduling_runs_ready_requests_while_a_prefix_loads(serve,
         def call(name, fn):
             fn()
             done[name] = time.monotonic()
+        loaded = srv.engine.pool.stats["load_pages"]
         tc = threading.Thread(target=call, args=(slow, lambda: agent_call(c, slow, 10)))
         tc.start()
-        wait_until(lambda: srv.engine.call(lambda e: e.scheduler.counts())["loading"] == 1, timeout=5)
+        # read off the engine thread: under hicache it sits in the prefill until the load lands
+        wait_until(lambda: srv.engine.pool.stats["load_pages"] > loaded, timeout=5)
         t0 = time.monotonic()
         other = srv.client()
         call("other", lambda: other.chat.completions.create(
