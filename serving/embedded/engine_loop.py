@@ -329,13 +329,16 @@ class EngineLoop:
         measured prefill speed; none without ``recompute_aware``), so the step barely waits;
         otherwise it is skipped as before. Not merely when nothing else runs: a longer load
         would hold the engine thread in the prefill, and a request arriving meanwhile, which
-        the skip lets run, would wait for it."""
-        if not self.config.layerwise_load:
+        the skip lets run, would wait for it. Never while part of the prefix below what is in
+        flight is host-only and not loading yet (a prefetch that took only the head): admitted
+        now, that part would be recomputed, or loaded only if there were room this instant;
+        waiting, it is loaded once the head lands, as before."""
+        p = req.last_poll
+        if not self.config.layerwise_load or p is None or p.host_rest:
             return False
         if not self.scheduler.status_aware:
             return True
-        p = req.last_poll
-        if p is None or p.ready_at is None:
+        if p.ready_at is None:
             return False
         hide = self.manager.loads.recompute_s(len(req.session.tokens) - p.cached_len, p.cached_len)
         return hide is not None and p.ready_at - self.pool.now() <= hide

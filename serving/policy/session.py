@@ -67,9 +67,12 @@ request was the first to read, ``load_wait_s`` how long it waited for loads.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
+
+from .tree import NodeState
 
 if TYPE_CHECKING:  # pragma: no cover
     from .manager import KVCacheManager
@@ -89,6 +92,7 @@ class Poll:
     ready_at: float | None = None  # LOADING: when the loads on its prefix land (backend clock)
     device_len: int = 0          # tokens readable on device now
     cached_len: int = 0          # tokens cached in any tier
+    host_rest: bool = False      # LOADING: below what is in flight, some is host-only, unloaded
 
     @property
     def ready(self) -> bool:
@@ -165,7 +169,8 @@ class RequestSession:
                     store.loads.note_wait(ld, now)
                     ready = max(ready, ld.ready)
             self._start_wait(now)
-            return Poll(Readiness.LOADING, "in_flight", ready, m.device_len, m.cached_len)
+            return Poll(Readiness.LOADING, "in_flight", ready, m.device_len, m.cached_len,
+                        m.needs_load)
         if m.needs_load:
             if self.recompute_host:
                 return self._ready(Readiness.RECOMPUTE, "cheaper", m)
@@ -274,12 +279,17 @@ class RequestSession:
             ready = None
             if m.needs_load and not self.recompute_host:
                 ready, _ = store.demand_load(m, recompute_s=recompute_s)
-            elif not m.needs_load:
+            if ready is not None or not m.needs_load:  # the whole cached prefix is coming
+                landing = m.node.path()
+            else:  # its host-only rest is recomputed (cheaper, or no room): reuse up to it
+                landing = list(itertools.takewhile(lambda n: n.state is not NodeState.HOST,
+                                                   m.node.path()))
+            if ready is None and m.loading:
                 ready = max((ld.ready for ld in store.path_loads(self.tokens) if not ld.done),
                             default=store.backend.now())
             if ready is not None:
-                usable = m.cached_len
-                pages = [p for n in m.node.path() for p in n.device_pages]
+                usable = min(m.cached_len, sum(len(n.key) for n in landing))
+                pages = [p for n in landing for p in n.device_pages]
                 self.ready_at = ready
         ps = store.page_size
         reuse = self._reusable(usable)

@@ -93,6 +93,31 @@ def test_a_loading_prefix_admitted_inline_lands_layer_by_layer_and_credits_what_
     m.check_invariants()
 
 
+def test_inline_admission_keeps_the_loading_part_when_the_host_rest_is_recomputed():
+    """A prefix whose head is loading (another request's demand load) and whose rest is
+    host-only: admitted inline with the rest cheaper to recompute, the request still reuses
+    the loading head (it lands layer by layer under its prefill), not just what is on device."""
+    m = make_manager("hicache", page_size=1, device_pages=16, host_pages=64, link=1.0)
+    head, rest = [5] * 4, [7] * 4
+    put(m, head)
+    put(m, head + rest)                                 # two nodes: head, then rest
+    held = m.allocate(m.device.num_free + m.evictable_device_pages)
+    m.free(held)                                        # both pushed to host
+    first = m.arrive(head + [9], None)
+    assert first.poll().state is LOADING                # loads the head: 0 .. 4 s
+    s = m.arrive(head + rest + [8], None)
+    p = s.poll(start_load=False)
+    assert p.state is LOADING and (p.device_len, p.cached_len) == (0, 8)
+    assert s.admit(load_inline=True, recompute_s=0.0)   # the rest: cheaper to recompute
+    assert s.reused == 4 and s.ready_at == pytest.approx(4.0)
+    assert s.layer_ready_times(2) == pytest.approx([2.0, 4.0])
+    m.clock.t = 4.0
+    s.overlapped([(0.0, 4.0)])
+    s.commit()
+    s.finish(s.tokens, len(s.tokens))
+    m.check_invariants()
+
+
 def test_credit_overlap_moves_no_more_than_the_load_was_charged():
     m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0)
     to_host(m, [5] * 4, "A")
