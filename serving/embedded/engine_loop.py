@@ -182,12 +182,17 @@ class EngineLoop:
                 return
 
     def _idle_timeout(self) -> float:
-        """How long to sleep when nothing could run: until the next load lands (or 0.5 s)."""
+        """How long to sleep when nothing could run: until the next load lands, or a skipped
+        request's load is short enough for its own prefill to hide the rest (or 0.5 s)."""
         nxt = self.manager.next_event_at  # loads landing, tool-gap plans moving
         nxt = nxt() if callable(nxt) else nxt
+        now = self.pool.now()
         t = 0.5
         if nxt is not None:  # demand loads and prefetches alike
-            t = min(t, nxt - self.pool.now())
+            t = min(t, nxt - now)
+        for req in self.scheduler.waiting:  # a skipped load its own prefill can now hide
+            if req.inline_at is not None and req.inline_at > now:
+                t = min(t, req.inline_at - now)
         return max(t, 0.0005)
 
     def _step(self) -> bool:
@@ -332,19 +337,28 @@ class EngineLoop:
         the skip lets run, would wait for it. Never while part of the prefix below what is in
         flight is host-only and not loading yet (a prefetch that took only the head): admitted
         now, that part would be recomputed, or loaded only if there were room this instant;
-        waiting, it is loaded once the head lands, as before."""
+        waiting, it is loaded once the head lands, as before. A skipped request records when
+        its prefill would start hiding the rest (``inline_at``): an idle engine wakes then
+        instead of when the load lands, so it overlaps as hicache's does and stays free for
+        arrivals until then."""
         p = req.last_poll
         if not self.config.layerwise_load or p is None or p.host_rest:
             return False
         if not self.scheduler.status_aware:
             return True
+        req.inline_at = None
         if p.ready_at is None:
             return False
         hide = self.manager.loads.recompute_s(len(req.session.tokens) - p.cached_len, p.cached_len)
-        return hide is not None and p.ready_at - self.pool.now() <= hide
+        if hide is None:
+            return False
+        if p.ready_at - self.pool.now() <= hide:
+            return True
+        req.inline_at = p.ready_at - hide  # an idle engine wakes then (_idle_timeout)
+        return False
 
     def _admit(self, req: Request) -> bool:
-        inline, req.load_inline = req.load_inline, False
+        inline, req.load_inline, req.inline_at = req.load_inline, False, None
         try:
             if not req.session.admit(load_inline=inline):
                 return False  # wait for running requests to free memory (no overtaking)

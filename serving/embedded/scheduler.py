@@ -189,6 +189,7 @@ class Request:
     skips: int = 0
     last_poll: Any = None              # its session's last Poll (state, ready_at, cached_len)
     load_inline: bool = False          # admit it with its load in flight (layer-wise overlap)
+    inline_at: Optional[float] = None  # skipped: when its prefill could start hiding its load
     prefill_at: Optional[float] = None
     first_token_at: Optional[float] = None
 

@@ -490,16 +490,18 @@ def test_whole_node_eviction_keeps_prefixes_in_fewer_page_runs(tiny_model):
     assert runs[False] < runs[True], runs
 
 
-@pytest.mark.parametrize("policy", ["hicache", "kvflow"])
-def test_a_loading_prefix_is_read_layer_by_layer_by_its_own_prefill(tiny_model, policy):
+@pytest.mark.parametrize("policy, hide_s", [("hicache", 60.0), ("kvflow", 60.0), ("kvflow", 0.1)])
+def test_a_loading_prefix_is_read_layer_by_layer_by_its_own_prefill(tiny_model, policy, hide_s):
     """``layerwise_load``: a prompt whose prefix was evicted to host is admitted while its
     demand load is still on the (slow, emulated) link; its prefill waits for each layer of the
     prefix as it lands, never longer than the load, and gives the tokens of an engine that
     waits for the whole load first. What the prefill's compute hid is counted as hidden load
     time (the engine that waits hides none of a demand load). kvflow's status-aware skip
-    admits it so only where its own prefill is estimated to outlast the load: here the
-    estimate is pinned high (the real prefill takes milliseconds; when it does not hide the
-    load, the skip holds the request back: test_serving_kvflow's status-aware test)."""
+    admits it so only where its own prefill is estimated to outlast what is left of the load:
+    here the estimate is pinned (the real prefill takes milliseconds). At 60 s it hides the
+    whole load; at 0.1 s of a ~0.3 s load the request is skipped first and the idle engine
+    wakes when the rest fits under the prefill (``inline_at``), not when the load lands.
+    (Without an estimate the skip holds it back: test_serving_kvflow's status-aware test.)"""
     import random as rnd
 
     rng = rnd.Random(0)
@@ -515,7 +517,7 @@ def test_a_loading_prefix_is_read_layer_by_layer_by_its_own_prefill(tiny_model, 
                 slept.append(s)
                 real(s)
             eng._sleep = sleep
-            eng.manager.loads.recompute_s = lambda n_tokens, ctx_tokens=0: 60.0  # "hides it"
+            eng.manager.loads.recompute_s = lambda n_tokens, ctx_tokens=0: hide_s
             eng.generate(a, max_tokens=4, ignore_eos=True)
             eng.generate(b, max_tokens=4, ignore_eos=True)   # the pool holds one: a goes to host
             out = eng.generate(a + tail, max_tokens=4, ignore_eos=True)
