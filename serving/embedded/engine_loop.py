@@ -407,15 +407,17 @@ class EngineLoop:
     def _prefill_chunk(self, req: Request, k: int) -> None:
         tokens, s = req.session.tokens, req.session
         self.pool.wait_copies(req.pages)  # loads into its prefix landed, backups out of reused pages read
-        # admitted with its load in flight: each layer waits for that layer to land
-        ready_at = s.layer_ready_times(self.model.config.num_layers) if s.inline_loads else None
+        # admitted with its load in flight: each layer waits for that layer to land (None:
+        # it landed before this prefill began; overlapped() still credits what was hidden)
+        inline = bool(s.inline_loads)
+        ready_at = s.layer_ready_times(self.model.config.num_layers) if inline else None
         waits: list = []
         before_layer = None if ready_at is None else self._layer_waiter(ready_at, waits)
         t0 = time.perf_counter()
         logits = self.model.prefill(self.pool.device_kv, tokens[req.prefilled:req.prefilled + k],
                                     req.pages, req.prefilled, before_layer=before_layer)
         dt = time.perf_counter() - t0
-        if ready_at is not None:
+        if inline:
             waited = sum(b - a for a, b in waits)
             dt -= waited  # the forward's own time (prefill speed, recompute estimate)
             self.counters["layerwise_loads"] += 1
