@@ -33,9 +33,10 @@ rest, where the first attempt is the earliest :meth:`note_wait` (a request skipp
 prefetch was still in flight), else the use itself. A request admitted while a load on its
 prefix is still in flight (layer-wise overlap: its prefill waits for each layer as it lands)
 moves what its prefill hid from exposed to hidden (:meth:`credit_overlap`). Wasted: a prefetch
-wholly evicted or whose workflow ended before any use (:meth:`mark_wasted`, :meth:`abandon`), counted by what took it
-(``metrics.prefetch_wasted_by``); a tail evicted while its head stays readable is not wasted
-(its pages count in ``prefetch_evicted_pages``; the store decides, :mod:`.eviction`).
+wholly evicted or whose workflow ended before any use (:meth:`mark_wasted`, :meth:`abandon`),
+counted by what took it (``metrics.prefetch_wasted_by``); a tail evicted while its head stays
+readable is not wasted (its pages count in ``prefetch_evicted_pages``; the store decides,
+:mod:`.eviction`).
 
 Invariant L1: ``inflight_prefetch`` = prefetch loads started and not done.
 """
