@@ -261,6 +261,9 @@ class Prefetcher:
         cands = self.candidates(now, tags)
         previously = self.pending
         if not cands and not previously:
+            # nothing on host to fetch: nothing to do until the state changes (with one
+            # workflow this is most steps: its next agent's prefix has landed)
+            self._idle_plan = sig
             return []
         planner, loads, metrics, target, book = (self.planner, self.loads, self.metrics,
                                                  self.target, self.book)

@@ -380,3 +380,31 @@ def test_next_load_at_tells_an_idle_scheduler_when_to_wake():
     assert m.next_load_at == pytest.approx(2.0) and m.loads_in_flight == 1
     m.tick(now=2.0)
     assert m.next_load_at is None
+
+
+def test_prefetcher_skips_its_walk_while_nothing_near_is_on_host_and_wakes_on_a_hint(monkeypatch):
+    """Every engine step ticks the prefetcher. Once the near agents' prefixes are on device
+    (one workflow: most steps), a plan would find no candidate; the state signature then stands
+    for that answer and later ticks skip the candidate walk, until a hint makes an agent whose
+    prefix is on host near (its priority changes the store's state) and the next tick starts
+    its prefetch."""
+    m = make_manager("kvflow", page_size=1, device_pages=12, host_pages=20, link=3.0)
+    _host_only_agents(m, ["A", "B"])
+    m.update_hints("w", {"A": 1, "B": 3}, now=0.0)
+    assert m.metrics.prefetch_issued == 1
+    m.clock.t = 2.0
+    m.tick()
+    assert m.agent_residency("w", "A") == "device" and m.agent_residency("w", "B") == "host"
+    walks = []
+    real = m.prefetcher.candidates
+    monkeypatch.setattr(m.prefetcher, "candidates",
+                        lambda now, tags=None: walks.append(now) or real(now, tags))
+    for i in range(5):
+        m.clock.t = 2.0 + 0.1 * i
+        m.tick()
+    assert len(walks) <= 1 and m.metrics.prefetch_issued == 1
+    m.update_hints("w", {"A": 2, "B": 1}, now=2.5)   # B runs next
+    m.clock.t = 2.6
+    m.tick()
+    assert m.metrics.prefetch_issued == 2 and m.agent_residency("w", "B") in ("loading", "device")
+    m.check_invariants()
