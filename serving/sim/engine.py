@@ -29,9 +29,11 @@ Loads (documented choices):
   ``max(compute, load_left + compute/layers)``; the excess over ``compute`` is exposed
   (``layerwise=False``: ``load_left + compute``, HiCache before its layer-wise I/O).
 - ``kvflow`` is status-aware: a request whose prefix is LOADING (a prefetch in flight) is
-  skipped; a request needing an on-demand load while other work exists starts the load and is
-  skipped until it lands, unless its own prefill would hide the load (then inline, layer-wise).
-  Time a request waits on loads is exposed load time.
+  skipped unless its own prefill outlasts the rest of the load (then inline, layer-wise, as the
+  embedded engine's ``_may_load_inline``); a skipped one wakes when its prefill could start
+  hiding the rest (``Req.inline_at``). A request needing an on-demand load while other work
+  exists starts the load and is skipped the same way, unless its own prefill would hide the
+  whole load (then inline). Time a request waits on loads is exposed load time.
 - no host room / no device room for a load: the host part is recomputed (``load_on_demand``
   returned ``None``).
 
@@ -130,6 +132,7 @@ class Req:
     cached: int = 0              # prompt tokens served from cache (device or loaded)
     n_new: int = 0               # prompt tokens computed
     ready: float = 0.0           # inline load lands at
+    inline_at: Optional[float] = None  # skipped: when its prefill could start hiding its load
     wait_since: Optional[float] = None
     wait_until: float = 0.0
     load_wait_s: float = 0.0     # time this request waited on loads (skipped or stalled)
@@ -282,24 +285,26 @@ class Simulator:
                 keep.append(r)  # another workflow's: passed over untouched (no load started)
                 continue
             p = s.poll(start_load=False)
-            if aware and p.state is LOADING:
+            r.inline_at = None
+            load_inline, rec = False, None
+            if aware and p.state is LOADING and not self._may_load_inline(r, p):
                 self._wait(r, p.ready_at)
                 keep.append(r)
                 held = held if held is not None else s.workflow
                 continue
-            load_inline, rec = False, None
             if p.state is NEEDS_LOAD or p.state is LOADING:
                 # status-aware: if other work can run and the load would not hide behind this
                 # request's own prefill (layer-wise), start it and skip the request meanwhile
-                hide = self.p.prefill_s([(len(r.prompt) - p.cached_len, p.cached_len)])
+                hide = self._own_prefill_s(r, p)
                 if (aware and p.state is NEEDS_LOAD and (self.running or admitted)
                         and self.p.load_s(p.cached_len - p.device_len) > hide):
                     p = s.load()   # async: skip until it lands
-                    if p.state is LOADING:
+                    if p.state is LOADING and not self._may_load_inline(r, p):
                         self._wait(r, p.ready_at)
                         keep.append(r)
                         held = held if held is not None else s.workflow
                         continue
+                    load_inline = p.state is LOADING
                 else:
                     # inline: the batch stalls on the load as it would on recomputing, less
                     # what its own prefill hides (layer-wise), so compare for this batch alone
@@ -334,6 +339,29 @@ class Simulator:
         self._admitting = []
         return admitted
 
+    def _own_prefill_s(self, r: Req, p) -> float:
+        """What ``r``'s own prefill takes after its cached prefix (what it can hide a load behind)."""
+        return self.p.prefill_s([(len(r.prompt) - p.cached_len, p.cached_len)])
+
+    def _may_load_inline(self, r: Req, p) -> bool:
+        """Status-aware, a request whose prefix is LOADING: admitted (its prefill reading each
+        layer as it lands) only where its own prefill outlasts the rest of the load, as the
+        embedded engine's ``EngineLoop._may_load_inline``; otherwise skipped, waking at
+        ``inline_at`` when its prefill could start hiding the rest. Never layer-wise off, nor
+        while a host-only part below the in-flight one waits for the head to land."""
+        if not self.layerwise or p.host_rest or p.ready_at is None:
+            return False
+        hide = self._own_prefill_s(r, p)
+        if p.ready_at - self.t <= hide + 1e-9:  # (woken at inline_at: equal up to rounding)
+            return True
+        r.inline_at = p.ready_at - hide
+        return False
+
+    def _next_inline_at(self) -> float:
+        """The earliest moment a skipped request's prefill could start hiding its load."""
+        return min((r.inline_at for r in self.waiting
+                    if r.inline_at is not None and r.inline_at > self.t), default=math.inf)
+
     def _recompute(self, n: int, ctx: int) -> float:
         return self.p.prefill_s([(n, ctx)]) - self.p.prefill_a
 
@@ -361,7 +389,10 @@ class Simulator:
                 if r.ready > t0:
                     r.load_wait_s += dt - compute
         self.t = t0 + dt
+        stall = [(t0, t0 + dt - compute)] if dt > compute else []
         for r in batch:
+            if r.session.inline_loads:  # what its prefill hid of them is hidden (the core's count)
+                r.session.overlapped(stall if r.ready > t0 else [])
             r.session.commit()  # the prompt joins the tree; the agent's fixed prefix is tagged
             r.first_token, r.generated = self.t, 1
             if r.generated >= len(r.out):
@@ -377,6 +408,7 @@ class Simulator:
             stop = self.events[0][0]
         if self.mgr.loads_in_flight:
             stop = min(stop, self.mgr.next_load_at)
+        stop = min(stop, self._next_inline_at())
         b = len(run)
         ctx = sum(len(r.prompt) + r.generated for r in run)
         p = self.p
@@ -419,6 +451,8 @@ class Simulator:
                 nxt = [self.events[0][0]] if self.events else []
                 if mgr.loads_in_flight:
                     nxt.append(mgr.next_load_at)
+                if (wake := self._next_inline_at()) < math.inf:
+                    nxt.append(wake)
                 if not nxt:
                     if self.waiting:
                         raise RuntimeError(f"sim deadlock at t={self.t:.3f}: {len(self.waiting)} "

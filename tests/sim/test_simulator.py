@@ -211,6 +211,45 @@ def test_prefetch_reserve_stops_thrash_when_running_requests_overflow_the_pool(a
     assert b.latency_s <= 1.01 * hic.latency_s
 
 
+class InlineRecordingSim(Simulator):
+    """Records the requests a prefill batch admitted while their prefix was still loading."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.inline = []
+
+    def _prefill(self, batch):
+        self.inline += [(r, self.t) for r in batch if r.ready > self.t]
+        super()._prefill(batch)
+
+
+def test_status_aware_overlaps_a_late_prefetch_with_its_own_prefill():
+    """kvflow's skip with layer-wise loads follows the embedded engine's rule: a call whose
+    prefetch is still in flight when it arrives (1.07 s of load, a ~0.55 s call before it) is
+    skipped only until its own prefill (0.34 s) can hide the rest, then admitted, its prefill
+    reading each layer as it lands; with whole loads it waits for all of it. One workflow:
+    nothing else could run meanwhile."""
+    prof = load_profile(A10G, link_gbps=0.5)
+    wl = lambda: cycle(agents=4, fixed=4096, dynamic=1024, output=8, rounds=2,  # noqa: E731
+                       warmup_rounds=1, page_size=64, device_fraction=0.75)
+    lw = InlineRecordingSim(prof, wl(), "kvflow", load_vs_recompute=False)
+    res = lw.run()
+    whole = InlineRecordingSim(prof, wl(), "kvflow", load_vs_recompute=False, layerwise=False)
+    res_whole = whole.run()
+    assert whole.inline == []                      # whole loads: admitted once landed
+    assert len([r for r in whole.finished if r.load_wait_s > 0]) >= 3
+    # every call that waited for a load overlapped the rest of it with its prefill (some
+    # calls' loads hid behind it entirely)
+    assert {id(r) for r in lw.finished if r.load_wait_s > 0} <= {id(r) for r, _ in lw.inline}
+    for r, t0 in lw.inline:
+        own = lw.p.prefill_s([(r.n_new, r.cached)])
+        assert r.ready - t0 <= own + 1e-9          # admitted only where its prefill hides the rest
+        assert r.first_token - r.ready < own       # and its first token came before ready + prefill
+    assert res.exposed_load_s < 0.5 * res_whole.exposed_load_s + 1e-9
+    assert res.latency_s < res_whole.latency_s
+    assert res.cache["prefetch_used"] == res_whole.cache["prefetch_used"] > 0
+
+
 def test_core_hidden_fraction_counts_status_aware_waits():
     """Sweep cell 16 workflows x 0.5 GB/s, under the paper's skip (scope ``all``): with
     status(record=True) the core's hidden fraction matches the simulator's own measure (it
@@ -239,12 +278,14 @@ def test_skip_scope_workflow_hides_loads_the_paper_skip_exposes():
     sim, scoped = run("kvflow")
     _, paper = run(KVFlowPolicy(skip_scope="all"))
     assert sim.policy.skip_scope == "workflow"
-    assert scoped.hidden_fraction > paper.hidden_fraction + 0.3      # 0.67 against 0.10
+    assert scoped.hidden_fraction > paper.hidden_fraction + 0.3      # 0.65 against 0.10
     assert scoped.latency_s < 0.9 * paper.latency_s                   # 0.81x
     # a request passed over is not polled, so the core counts a load's wait from the first
-    # request that polls it: its hidden fraction reads a little higher (0.76)
+    # request that polls it: its hidden fraction reads higher (0.78; 0.76 before a loading
+    # prefix's own prefill could overlap the rest of its load, which hides more of what the
+    # core counts and stalls the batch a little, which the simulator counts per request)
     core = sim.mgr.metrics.as_dict()["load_hidden_fraction"]
-    assert abs(core - scoped.hidden_fraction) < 0.1, (core, scoped.hidden_fraction)
+    assert abs(core - scoped.hidden_fraction) < 0.15, (core, scoped.hidden_fraction)
 
 
 def test_kvflow_recomputes_when_the_link_is_slower_than_recompute():
