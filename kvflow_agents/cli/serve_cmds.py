@@ -53,6 +53,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                  "(the default, as SGLang's HiCache loads), or admit it only once the whole "
                  "prefix has landed. The status-aware skip (kvflow) still holds a loading "
                  "request back unless its own prefill hides the load."),
+        recompute_aware: bool = typer.Option(
+            True, "--recompute-aware/--always-load",
+            help="Decline a demand load or prefetch from host that would take longer than "
+                 "recomputing the tokens (the link's queue and speed against the measured "
+                 "prefill speed; the default), or always load a host hit, as SGLang's HiCache "
+                 "does."),
         copy_thread: bool = typer.Option(
             False, "--copy-thread/--inline-copies",
             help="CPU only: KV copies (host backups, loads) on a background thread, or inline "
@@ -211,7 +217,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
                            turn_gaps=turn_gaps, layerwise_load=layerwise_load,
-                           copy_thread=copy_thread,
+                           recompute_aware=recompute_aware, copy_thread=copy_thread,
                            lazy_decode_pages=lazy_decode_pages, decode_reserve=decode_reserve,
                            admission=admission, status_aware=status_aware,
                            skip_scope=skip_scope, lease_s=lease_s, backup=backup,

@@ -189,7 +189,9 @@ class Engine(EngineAPI, EngineLoop):
             lazy_decode=cfg.lazy_decode_pages,
             decode_reserve=cfg.decode_reserve,
             reuse_align=cfg.deterministic_chunk if cfg.deterministic else 1,
-            turn_gaps=cfg.turn_gaps)
+            turn_gaps=cfg.turn_gaps,
+            # a recompute delays every running request's next step (loads.recompute_cost_s)
+            recompute_stalls=lambda: len(self.scheduler.running))
         status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware
         self.scheduler = Scheduler(max_batch=cfg.max_batch, status_aware=status_aware,
                                    max_skip_s=cfg.max_skip_s,

@@ -77,7 +77,8 @@ class EngineConfig:
     max_prefill_tokens: int = 1024        # prompt tokens prefilled per scheduler step (chunked)
     default_max_tokens: int = 256
     recompute_aware: bool = True          # decline a host load that would take longer than
-                                          # recomputing (measured prefill speed; manager.should_load)
+                                          # recomputing, counted for every running request it
+                                          # stalls (measured prefill speed; loads.recompute_cost_s)
     # A request whose prefix is still loading (a demand load, a prefetch not landed yet) may be
     # admitted at once, its prefill waiting for each layer of the prefix as it lands, so the
     # load overlaps the request's own compute (SGLang's HiCache loads layer by layer so). The

@@ -15,7 +15,15 @@ What it answers:
 - ``should_load(pages, recompute_s)``: load rather than recompute (True without an estimate);
 - ``recompute_s(n_tokens, ctx)``: the engine's recompute estimate (``recompute_cost`` callable,
   a fixed ``recompute_s_per_token``, or the prefill speed it reports with
-  :meth:`observe_prefill`, weighted by tokens); ``None`` means "no estimate: always load".
+  :meth:`observe_prefill`, weighted by tokens); ``None`` means "no estimate: always load";
+- ``recompute_cost_s(n_tokens, ctx)``: what a load is weighed against: that prefill times
+  (1 + the requests it would stall, ``recompute_stalls()``, the engine's running requests).
+  Recomputing in a step delays every request in the running batch by as much, while a load
+  waited for delays only its own request (the status-aware skip lets the others run; a
+  layer-wise load overlaps the request's own prefill); the simulator's cost is the same.
+  Without it a busy engine whose link had a queue recomputed its host hits one after another
+  (hicache, 32 workflows in a pool of 10 %: 300 of 320 host hits recomputed, 3.4x slower
+  than loading them; ``bench/RESULTS.md`` 6.45).
 
 ``secs_per_page`` is configured (bytes per page / link bytes per second) or measured from the
 loads that landed (link time only: a load queued behind another is timed from when the link
@@ -95,8 +103,10 @@ class LoadTracker:
     def __init__(self, metrics: CacheMetrics, *, secs_per_page: float | None = None,
                  recompute_s_per_token: float | None = None,
                  recompute_cost: Callable[[int, int], float] | None = None,
+                 recompute_stalls: Callable[[], int] | None = None,
                  step_ema: float = 0.1, prefill_ema: float = 0.2) -> None:
         self.metrics = metrics
+        self.recompute_stalls = recompute_stalls  # requests a recompute now would delay too
         self.configured_spp = secs_per_page or None
         self.measured_spp: float | None = None
         self.recompute_s_per_token = recompute_s_per_token
@@ -140,6 +150,15 @@ class LoadTracker:
         if spt is None:
             spt = self.measured_prefill_spt
         return None if spt is None else n_tokens * spt
+
+    def recompute_cost_s(self, n_tokens: int, ctx_tokens: int = 0) -> float | None:
+        """What recomputing ``n_tokens`` costs the engine, for load-versus-recompute: the
+        prefill (:meth:`recompute_s`) once for this request and once for each running request
+        it delays (module doc). ``recompute_s`` alone is how long the prefill takes."""
+        r = self.recompute_s(n_tokens, ctx_tokens)
+        if r is None or self.recompute_stalls is None:
+            return r
+        return r * (1 + max(0, int(self.recompute_stalls())))
 
     def should_load(self, n_pages: int, recompute_s: float | None, now: float) -> bool:
         if recompute_s is None or self.estimate_load_s(n_pages, now) <= recompute_s:

@@ -28,8 +28,9 @@ next page of each running session still growing, unless ``set_reserved_pages`` (
 fit in free + evictable-above-``s`` - reserve. Load versus recompute (off unless the engine gives
 an estimate: ``recompute_s_per_token``, ``recompute_cost(n, ctx)``, or ``observe_prefill``):
 a demand load is declined when the load tracker's estimate (link queue + transfer + one
-admission delay, from ``observe_step``) exceeds recomputing; the planner drops a late prefetch
-when its agent would wait longer than recomputing takes.
+admission delay, from ``observe_step``) exceeds recomputing, counted once for this request
+and once for each request a recompute would stall (``recompute_stalls()``: the engine's
+running requests); the planner drops a late prefetch when its agent would wait longer.
 
 Hidden / exposed load time and wasted prefetches are counted in ``metrics`` (:mod:`.loads`).
 Not thread-safe: call it from the scheduler thread only. Under ``oracle`` the device pool grows
@@ -82,6 +83,7 @@ class KVCacheManager:
                  reserve_window: int | None = None,
                  recompute_s_per_token: float | None = None,
                  recompute_cost: Callable[[int, int], float] | None = None,
+                 recompute_stalls: Callable[[], int] | None = None,
                  min_partial_prefetch_pages: int = 4, admission: str | None = None,
                  admission_max_age_s: float = 600.0, lazy_decode: bool = False,
                  decode_reserve: float = 1.0, reuse_align: int = 1, turn_gaps: bool = True) -> None:
@@ -109,7 +111,8 @@ class KVCacheManager:
         bw = link_bytes_per_s if link_bytes_per_s is not None else getattr(self.backend, "link_bytes_per_s", None)
         self.loads = LoadTracker(self.metrics, secs_per_page=(bpp / bw) if bpp and bw else None,
                                  recompute_s_per_token=recompute_s_per_token,
-                                 recompute_cost=recompute_cost)
+                                 recompute_cost=recompute_cost,
+                                 recompute_stalls=recompute_stalls)
         self.tags = TagBook(page_size=page_size, parent_of=lambda n: n.parent, lookahead=lookahead,
                             lease_s=lease_s, client_cap_pages=client_cap_pages,
                             infer_window=infer_window)

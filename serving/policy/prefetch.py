@@ -208,7 +208,7 @@ class Prefetcher:
             pages = target.host_pages(node)
             if pages <= 0:
                 continue
-            rec_s = (loads.recompute_s(pages * ps, len(rec.tokens) - pages * ps)
+            rec_s = (loads.recompute_cost_s(pages * ps, len(rec.tokens) - pages * ps)
                      if estimate else None)
             wf = tag[0]
             out.append(PrefetchCandidate(tag, index.ste(tag), pages,

@@ -61,7 +61,7 @@ class Transfers:
                 if n is host_nodes[0]:
                     break
                 ctx += len(n.key)
-            recompute_s = loads.recompute_s(k * self.page_size, ctx)
+            recompute_s = loads.recompute_cost_s(k * self.page_size, ctx)
         if not loads.should_load(k, recompute_s, now):
             self.metrics.loads_declined += 1
             self.metrics.declined_pages += k

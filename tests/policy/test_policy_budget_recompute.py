@@ -210,6 +210,34 @@ def test_load_on_demand_declines_when_recompute_is_cheaper():
         m.check_invariants()
 
 
+def test_a_recompute_is_weighed_with_every_request_it_would_stall():
+    """4 s of load against 2 s of recompute: declined on an idle engine, loaded while three
+    requests run (a recompute would delay each of them too: 2 s x 4 = 8 s), and the prefetch
+    planner weighs a late prefetch the same way. ``recompute_s`` stays the prefill's own time
+    (what an engine's prefill can hide a load behind)."""
+    running = [0]
+    for n_running, loads in ((0, False), (3, True)):
+        running[0] = n_running
+        m = make_manager("hicache", page_size=1, device_pages=8, host_pages=64, link=1.0,
+                         recompute_s_per_token=0.5, recompute_stalls=lambda: running[0])
+        put(m, [1, 2, 3, 4])
+        m.free(m.allocate(8))                      # push it to host
+        assert m.recompute_s(4) == pytest.approx(2.0)
+        assert m.loads.recompute_cost_s(4) == pytest.approx(2.0 * (1 + n_running))
+        got = m.load_on_demand(m.match([1, 2, 3, 4]))
+        assert (got is not None) == loads and m.metrics.loads_declined == (0 if loads else 1)
+        m.check_invariants()
+    for n_running, skips in ((0, 1), (3, 0)):      # 6 s of load, the agent runs in 1 s
+        running[0] = n_running
+        m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0,
+                         recompute_s_per_token=0.5, default_step_s=1.0,
+                         recompute_stalls=lambda: running[0])
+        host_only(m, [10] * 6, "w", "A")           # recompute 3 s, x4 = 12 s while 3 run
+        m.update_hints("w", {"A": 1}, now=0.0)
+        assert m.metrics.prefetch_recompute_skips == skips
+        assert m.metrics.prefetch_issued == 1 - skips
+
+
 def test_load_estimate_includes_queueing_behind_in_flight_loads():
     m = make_manager("hicache", page_size=1, device_pages=16, host_pages=64, link=1.0,
                      recompute_cost=lambda n, ctx: 2.5 * n)  # 2.5 s per token

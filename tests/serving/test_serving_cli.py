@@ -65,6 +65,21 @@ def test_serve_eviction_flags_reach_the_store(monkeypatch, flags, partial, lazy)
     assert ("decode pages lazy" if lazy else "decode pages upfront") in r.output
 
 
+@pytest.mark.parametrize("flags, aware", [([], True), (["--always-load"], False)])
+def test_serve_recompute_aware_flag_reaches_the_engine(monkeypatch, flags, aware):
+    """``--always-load``: the engine reports no prefill speed, so the load tracker has no
+    recompute estimate and every host hit is loaded (SGLang's HiCache as shipped). By default
+    it has one, and weighs a load against recomputing once for the request and once per
+    running request (the engine's scheduler, none running here)."""
+    r, eng, _ = serve_without_uvicorn(monkeypatch, ["--policy", "hicache"] + flags)
+    assert r.exit_code == 0, r.output
+    assert eng.config.recompute_aware is aware
+    loads = eng.manager.loads
+    assert loads.recompute_stalls() == len(eng.scheduler.running) == 0
+    loads.observe_prefill(1000, 2.0)                # as a served prefill reports it
+    assert loads.recompute_cost_s(100) == pytest.approx(0.2)
+
+
 @pytest.mark.parametrize("flags, threaded", [([], False), (["--copy-thread"], True),
                                              (["--inline-copies"], False)])
 def test_serve_copy_thread_flag_reaches_the_pool(monkeypatch, flags, threaded):
