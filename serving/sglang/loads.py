@@ -143,7 +143,9 @@ class KVFlowLoads:
                 and getattr(self, "linker", None) is None):
             now = self._kv_now()
             device_len = len(getattr(req, "prefix_indices", ()) or ())
-            rec = self.kv_loads.recompute_s(host_len, device_len)
+            # the policy core's cost: the prefill, once per request it would stall when the
+            # tracker is told how many run (recompute_stalls; not wired to SGLang's batch yet)
+            rec = self.kv_loads.recompute_cost_s(host_len, device_len)
             if not self.kv_loads.should_load(pages, rec, now):
                 self.kv_metrics.loads_declined += 1
                 self.kv_metrics.declined_pages += pages
