@@ -206,15 +206,17 @@ class Simulator:
         # Recomputing n tokens (marginal prefill after ctx cached ones; the batch pays `a`
         # anyway) stalls every running request for that long, while waiting for a load
         # delays only the request (status-aware: the others keep running), so the cost the
-        # manager compares a load with is recompute x (1 + running + batch being formed).
-        rec = ((lambda n, ctx: self._recompute(n, ctx)
-                * (1 + len(self.running) + len(self._admitting)))
-               if load_vs_recompute else None)
+        # manager compares a load with is recompute x (1 + running + batch being formed):
+        # the policy core's recompute_cost_s with these stalls, as the embedded engine's.
+        rec = (lambda n, ctx: self._recompute(n, ctx)) if load_vs_recompute else None
+        stalls = ((lambda: len(self.running) + len(self._admitting))
+                  if load_vs_recompute else None)
         self._admitting: list = []  # the prefill batch being formed (_admit)
         self.mgr = KVCacheManager(self.policy, page_size=ps, device_pages=dev // ps,
                                   host_pages=host // ps, backend=self.backend, lookahead=lookahead,
                                   max_inflight_loads=max_inflight_loads, lease_s=lease_s,
                                   reserve_pages=None if reserve else 0, recompute_cost=rec,
+                                  recompute_stalls=stalls,
                                   admission=admission)
         self.max_running, self.max_prefill = max_running, max_prefill_tokens
         self.layerwise = layerwise
