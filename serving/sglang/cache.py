@@ -21,7 +21,8 @@ embedded engine and the simulator:
   calibrate the link estimate (seconds per page) the planner and the demand decision use. A
   demand load (``init_load_back``) is skipped, and the host part recomputed, when the estimate
   (link queue + transfer + one scheduler step) exceeds recomputing (the prefill speed measured
-  per batch, or ``recompute_s_per_token``). A request held back because its prefix is still
+  per batch, or ``recompute_s_per_token``, times 1 + the requests the recompute would stall:
+  SGLang's running batch and the round's prefill batch so far). A request held back because its prefix is still
   loading records the wait (:meth:`kvflow_blocked`): exposed load time; the first request that
   reads a prefetch credits it (hidden / exposed, ``kv_metrics``). These overrides of SGLang's load
   path live in ``loads.py`` (:class:`~.loads.KVFlowLoads`, a mixin of this class).
@@ -136,7 +137,8 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
         self.kv_book = TagBook(page_size=self.page_size, parent_of=lambda n: n.parent,
                                alive=self._alive, lookahead=self.lookahead, lease_s=self.lease_s,
                                infer_window=self.infer_window, locate=self._locate)
-        self.kv_loads = LoadTracker(self.kv_metrics, recompute_s_per_token=self.recompute_s_per_token)
+        self.kv_loads = LoadTracker(self.kv_metrics, recompute_s_per_token=self.recompute_s_per_token,
+                                    recompute_stalls=self._recompute_stalls)
         # several ranks: local measurements, agreed on at each clock sync (_kv_tick)
         self._kv_local = LoadTracker(CacheMetrics())
         self.kv_prefetcher = Prefetcher(self.kv_book, self.kv_loads, self.kv_metrics,
@@ -161,6 +163,7 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
         self._kv_ring = None   # the proactive loads' own layer-counter ring (_proactive_ring)
         self._kv_landed: dict[int, Any] = {}       # loaded node id -> landed, unread prefetch
         self._kv_queue: Optional[Callable[[], list]] = None
+        self._kv_adder = None  # the PrefillAdder of the add_one_req in progress (_recompute_stalls)
         self._kv_last_step: Optional[float] = None
         self._kv_prefills: dict[float, list] = {}   # batch forward entry -> [tokens, end]
         self._evict_floor: Optional[float] = None
@@ -404,6 +407,16 @@ class KVFlowRadixCache(KVFlowLoads, UnifiedRadixCache):
     def kvflow_watch_queue(self, waiting: Callable[[], list]) -> None:
         """Where the scheduler's waiting queue is (the prefetch reserve reads it)."""
         self._kv_queue = waiting
+
+    @contextmanager
+    def kvflow_prefill_round(self, adder):
+        """SGLang's ``PrefillAdder`` is deciding on a request (``hooks.around_add_one_req``):
+        a demand load-back weighed meanwhile counts the requests it would stall from it."""
+        self._kv_adder = adder
+        try:
+            yield
+        finally:
+            self._kv_adder = None
 
     def kvflow_apply_hints(self, hints: Hints, *, now: Optional[float] = None) -> None:
         """Merge one hint (from a request or the out-of-band endpoint): the policy core's."""

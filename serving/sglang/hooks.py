@@ -21,7 +21,9 @@ no hints schedules exactly as stock SGLang.
   Under the ``workflow`` skip scope (``KVFLOW_SKIP_SCOPE``, kvflow's default;
   ``serving/policy/admission.py``) only the skipped request's own workflow's requests and
   requests without hints may go ahead of it: another workflow's are passed over too
-  (``CONTINUE``, they keep their places).
+  (``CONTINUE``, they keep their places). Around every call it also tells the cache which
+  adder is deciding, so a demand load-back weighed in it counts the running batch and the
+  round's prefill batch as the requests a recompute would stall (``loads._recompute_stalls``).
 - ``around_process_input_requests``: once per loop iteration on every rank: advances the
   plugin's rank-agreed clock (its only collective) and takes :class:`KVFlowControl` messages
   (out-of-band hints, snapshot requests) out of the received batch, applied on every rank.
@@ -78,7 +80,14 @@ def after_calc_priority(result, policy, *args, **kwargs):
 
 def around_add_one_req(original, adder, req, *args, **kwargs):
     cache = _kvflow_cache(adder)
-    if cache is None or not cache.kvflow_has_inflight():
+    if cache is None:
+        return original(adder, req, *args, **kwargs)
+    with cache.kvflow_prefill_round(adder):  # a demand load weighed now counts the batches
+        return _add_one_req(cache, original, adder, req, *args, **kwargs)
+
+
+def _add_one_req(cache, original, adder, req, *args, **kwargs):
+    if not cache.kvflow_has_inflight():
         return original(adder, req, *args, **kwargs)
     from sglang.srt.managers.schedule_policy import AddReqResult
 

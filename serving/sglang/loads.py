@@ -143,8 +143,8 @@ class KVFlowLoads:
                 and getattr(self, "linker", None) is None):
             now = self._kv_now()
             device_len = len(getattr(req, "prefix_indices", ()) or ())
-            # the policy core's cost: the prefill, once per request it would stall when the
-            # tracker is told how many run (recompute_stalls; not wired to SGLang's batch yet)
+            # the policy core's cost: the prefill, once for this request and once for each
+            # request it would stall (_recompute_stalls)
             rec = self.kv_loads.recompute_cost_s(host_len, device_len)
             if not self.kv_loads.should_load(pages, rec, now):
                 self.kv_metrics.loads_declined += 1
@@ -177,6 +177,17 @@ class KVFlowLoads:
                 for n in ld.nodes:
                     self._kv_landed.pop(n.id, None)
             node = node.parent
+
+    def _recompute_stalls(self) -> int:
+        """The requests a recompute admitted now would delay besides its own (the core's
+        ``recompute_stalls``): SGLang's running decode batch, which waits for the prefill
+        batch, and the requests this round already put in that batch. 0 outside a round
+        (``kvflow_prefill_round``), where no load is weighed."""
+        adder = self._kv_adder
+        if adder is None:
+            return 0
+        running = getattr(adder, "running_batch", None)
+        return len(getattr(running, "reqs", None) or ()) + len(getattr(adder, "can_run_list", None) or ())
 
     # ------------------------------------------------------------------ prefetch
     def _reserve_pages(self) -> int:

@@ -165,6 +165,39 @@ class CoreAdoptionTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, uni
         self.assertAlmostEqual(loads.measured_prefill_spt, (keep * 0.2 + 0.05) / (keep * 48 + 4))
         self.assertLess(loads.measured_prefill_spt, 0.2 / 48 * 1.5)
 
+    def test_demand_load_weighs_a_recompute_with_the_requests_it_would_stall(self):
+        """Through the admission hook, as SGLang's PrefillAdder calls init_load_back: a load
+        that one request's recompute beats is taken when three requests run and one is
+        already in the round's prefill batch (recompute 16 ms x 5 > load 40 ms > 16 ms)."""
+        from kvflow_agents.serving.sglang import hooks
+
+        self.req("A", {"A": 0})
+        self.offload_all()
+        self.cache.kv_loads.measured_spp = 0.01          # 4 pages: 40 ms
+        self.cache.kv_loads.recompute_s_per_token = 0.001  # 16 tokens: 16 ms
+        r, _ = self._make_inflight_req(self.cache, self.alloc, self.r2t,
+                                       self.fixed["A"] + seq(80000, 4))
+        r.init_next_round_input(self.cache)
+        self.assertEqual(r.host_hit_length, 16)
+
+        def add_one_req(adder, req):  # SGLang's adder, in outline: load back what is on host
+            return self.cache.init_load_back(InitLoadBackParams(
+                best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
+
+        m = self.cache.kv_metrics
+        alone = SimpleNamespace(tree_cache=self.cache, running_batch=SimpleNamespace(reqs=[]),
+                                can_run_list=[])
+        with mock.patch.object(self.cache, "load_back") as lb:
+            self.assertEqual(hooks.around_add_one_req(add_one_req, alone, r), (0, r.last_node))
+        lb.assert_not_called()
+        self.assertEqual((m.loads_declined, m.demand_loads), (1, 0))
+        busy = SimpleNamespace(tree_cache=self.cache, can_run_list=[object()],
+                               running_batch=SimpleNamespace(reqs=[object()] * 3))
+        loaded, _ = hooks.around_add_one_req(add_one_req, busy, r)
+        self.assertEqual((loaded, m.loads_declined, m.demand_loads), (16, 1, 1))
+        self.assertIsNone(self.cache._kv_adder)          # the round's view ends with the call
+        self.assertEqual(self.cache.kv_loads.recompute_stalls(), 0)
+
     def test_demand_load_declined_when_recomputing_is_cheaper(self):
         self.req("A", {"A": 0})
         self.offload_all()
