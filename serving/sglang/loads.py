@@ -12,8 +12,12 @@ load-backs (a mixin, first in its bases, so these overrides wrap ``UnifiedRadixC
 - Status-aware admission: :meth:`KVFlowLoads.kvflow_blocked` says whether a queued request's
   match runs through a node still being loaded (``hooks.around_add_one_req`` skips it).
 
+- The scheduler's views it reads: the waiting queue (``kvflow_watch_queue``: the prefetch
+  reserve) and, while SGLang's ``PrefillAdder`` decides on a request, that adder
+  (``kvflow_prefill_round``: the requests a recompute would stall, ``_recompute_stalls``).
+
 State lives on the cache (set in ``KVFlowRadixCache._kv_reset_state``): ``_kv_loads``,
-``_inflight``, ``_inflight_nodes``, ``_kv_ring``, ``_kv_landed``, ``_kv_queue``.
+``_inflight``, ``_inflight_nodes``, ``_kv_ring``, ``_kv_landed``, ``_kv_queue``, ``_kv_adder``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
@@ -177,6 +181,20 @@ class KVFlowLoads:
                 for n in ld.nodes:
                     self._kv_landed.pop(n.id, None)
             node = node.parent
+
+    def kvflow_watch_queue(self, waiting: Callable[[], list]) -> None:
+        """Where the scheduler's waiting queue is (the prefetch reserve reads it)."""
+        self._kv_queue = waiting
+
+    @contextmanager
+    def kvflow_prefill_round(self, adder):
+        """SGLang's ``PrefillAdder`` is deciding on a request (``hooks.around_add_one_req``):
+        a demand load-back weighed meanwhile counts the requests it would stall from it."""
+        self._kv_adder = adder
+        try:
+            yield
+        finally:
+            self._kv_adder = None
 
     def _recompute_stalls(self) -> int:
         """The requests a recompute admitted now would delay besides its own (the core's
