@@ -152,6 +152,7 @@ class KVFlowRadixCache(KVFlowHints, KVFlowLoads, UnifiedRadixCache):
         self._kv_ring = None   # the proactive loads' own layer-counter ring (_proactive_ring)
         self._kv_landed: dict[int, Any] = {}       # loaded node id -> landed, unread prefetch
         self._kv_queue: Optional[Callable[[], list]] = None
+        self._kv_running: Optional[Callable[[], Any]] = None  # SGLang's running batch
         self._kv_adder = None  # the PrefillAdder of the add_one_req in progress (_recompute_stalls)
         self._kv_last_step: Optional[float] = None
         self._kv_prefills: dict[float, list] = {}   # batch forward entry -> [tokens, end]

@@ -58,7 +58,8 @@ def after_add_request_to_queue(result, scheduler, req, *args, **kwargs):
     cache = _kvflow_cache(scheduler)
     if cache is not None:
         try:
-            cache.kvflow_watch_queue(lambda: scheduler.waiting_queue)  # the prefetch reserve
+            cache.kvflow_watch_scheduler(lambda: scheduler.waiting_queue,  # the prefetch reserve
+                                         lambda: getattr(scheduler, "running_batch", None))
             hints = cache.kvflow_on_request(req)
             cache.kvflow_admission_key(req, hints)
         except Exception:  # hints are advisory

@@ -11,13 +11,16 @@ load-backs (a mixin, first in its bases, so these overrides wrap ``UnifiedRadixC
   credits it (``match_prefix``); one that leaves the device unread is wasted (``_landed_lost``).
 - Status-aware admission: :meth:`KVFlowLoads.kvflow_blocked` says whether a queued request's
   match runs through a node still being loaded (``hooks.around_add_one_req`` skips it).
-
-- The scheduler's views it reads: the waiting queue (``kvflow_watch_queue``: the prefetch
-  reserve) and, while SGLang's ``PrefillAdder`` decides on a request, that adder
-  (``kvflow_prefill_round``: the requests a recompute would stall, ``_recompute_stalls``).
+- The scheduler's views it reads (``kvflow_watch_scheduler``, from the intake hook): the
+  waiting queue (the prefetch reserve) and the running batch; and, while SGLang's
+  ``PrefillAdder`` decides on a request, that adder (``kvflow_prefill_round``). The running
+  batch and the adder's prefill batch so far are the requests a recompute would stall
+  (``_recompute_stalls``): the demand decision and the prefetch planner weigh a recompute with
+  them, as the embedded engine weighs it with its running requests.
 
 State lives on the cache (set in ``KVFlowRadixCache._kv_reset_state``): ``_kv_loads``,
-``_inflight``, ``_inflight_nodes``, ``_kv_ring``, ``_kv_landed``, ``_kv_queue``, ``_kv_adder``.
+``_inflight``, ``_inflight_nodes``, ``_kv_ring``, ``_kv_landed``, ``_kv_queue``,
+``_kv_running``, ``_kv_adder``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
@@ -182,9 +185,13 @@ class KVFlowLoads:
                     self._kv_landed.pop(n.id, None)
             node = node.parent
 
-    def kvflow_watch_queue(self, waiting: Callable[[], list]) -> None:
-        """Where the scheduler's waiting queue is (the prefetch reserve reads it)."""
+    def kvflow_watch_scheduler(self, waiting: Callable[[], list],
+                               running: Optional[Callable[[], Any]] = None) -> None:
+        """Where the scheduler's waiting queue (the prefetch reserve reads it) and running
+        batch (``_recompute_stalls``) are; callables, since SGLang replaces its batches."""
         self._kv_queue = waiting
+        if running is not None:
+            self._kv_running = running
 
     @contextmanager
     def kvflow_prefill_round(self, adder):
@@ -197,15 +204,18 @@ class KVFlowLoads:
             self._kv_adder = None
 
     def _recompute_stalls(self) -> int:
-        """The requests a recompute admitted now would delay besides its own (the core's
+        """The requests a recompute would delay besides its own (the core's
         ``recompute_stalls``): SGLang's running decode batch, which waits for the prefill
-        batch, and the requests this round already put in that batch. 0 outside a round
-        (``kvflow_prefill_round``), where no load is weighed."""
+        batch, and, inside an adder's round, the requests it already put in that batch."""
         adder = self._kv_adder
-        if adder is None:
-            return 0
-        running = getattr(adder, "running_batch", None)
-        return len(getattr(running, "reqs", None) or ()) + len(getattr(adder, "can_run_list", None) or ())
+        if adder is not None:
+            running = getattr(adder, "running_batch", None)
+        else:
+            running = self._kv_running() if self._kv_running is not None else None
+        n = len(getattr(running, "reqs", None) or ())
+        if adder is not None:
+            n += len(getattr(adder, "can_run_list", None) or ())
+        return n
 
     # ------------------------------------------------------------------ prefetch
     def _reserve_pages(self) -> int:

@@ -51,7 +51,7 @@ class SGLangConformance(KVFlowHiCacheSetup, UnifiedRadixCacheFixtures, unittest.
         req.extra_key = None
         req.sampling_params.custom_params = {**hints(r).to_custom_params(),
                                              "kvflow_fixed_prefix_tokens": FIXED}
-        cache.kvflow_watch_queue(lambda: [req])
+        cache.kvflow_watch_scheduler(lambda: [req])
         cache.kvflow_on_request(req)
         cache.check_hicache_events()              # the scheduler step: prefetch starts
         self.ack_all()                            # ... and lands (instant link)

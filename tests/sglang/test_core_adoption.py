@@ -54,7 +54,7 @@ class CoreAdoptionTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, uni
         # a queued request will need 124 tokens: free + evictable - 124 < 16, no prefetch
         waiting = [SimpleNamespace(origin_input_ids=list(range(120)), prefix_len=0,
                                    sampling_params=SimpleNamespace(max_new_tokens=4))]
-        self.cache.kvflow_watch_queue(lambda: waiting)
+        self.cache.kvflow_watch_scheduler(lambda: waiting)
         self.cache.kvflow_apply_hints(Hints(workflow="wf", agent="X", ste={"A": 1}))
         self.assertEqual(self.cache.kvflow_prefetch(), [])
         self.assertGreaterEqual(self.cache.kv_metrics.prefetch_budget_skips, 1)
@@ -168,7 +168,8 @@ class CoreAdoptionTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, uni
     def test_demand_load_weighs_a_recompute_with_the_requests_it_would_stall(self):
         """Through the admission hook, as SGLang's PrefillAdder calls init_load_back: a load
         that one request's recompute beats is taken when three requests run and one is
-        already in the round's prefill batch (recompute 16 ms x 5 > load 40 ms > 16 ms)."""
+        already in the round's prefill batch (recompute 16 ms x 5 > load 40 ms > 16 ms).
+        Outside a round the running batch alone counts."""
         from kvflow_agents.serving.sglang import hooks
 
         self.req("A", {"A": 0})
@@ -196,6 +197,14 @@ class CoreAdoptionTest(ClockedKVFlowHiCacheSetup, UnifiedRadixCacheFixtures, uni
         loaded, _ = hooks.around_add_one_req(add_one_req, busy, r)
         self.assertEqual((loaded, m.loads_declined, m.demand_loads), (16, 1, 1))
         self.assertIsNone(self.cache._kv_adder)          # the round's view ends with the call
+        # outside a round (the prefetch planner's weighing): SGLang's running batch, which the
+        # intake hook told the cache where to find
+        self.assertEqual(self.cache.kv_loads.recompute_stalls(), 0)
+        sched = SimpleNamespace(tree_cache=self.cache, waiting_queue=[],
+                                running_batch=SimpleNamespace(reqs=[object()] * 2))
+        hooks.after_add_request_to_queue(None, sched, r)
+        self.assertEqual(self.cache.kv_loads.recompute_stalls(), 2)
+        sched.running_batch = SimpleNamespace(reqs=[])   # SGLang replaces its batch objects
         self.assertEqual(self.cache.kv_loads.recompute_stalls(), 0)
 
     def test_demand_load_declined_when_recomputing_is_cheaper(self):
