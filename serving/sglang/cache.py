@@ -23,9 +23,10 @@ embedded engine and the simulator:
   (link queue + transfer + one scheduler step) exceeds recomputing (the prefill speed measured
   per batch, or ``recompute_s_per_token``, times 1 + the requests the recompute would stall:
   SGLang's running batch and the round's prefill batch so far). A request held back because
-  its prefix is still loading records the wait (:meth:`kvflow_blocked`): exposed load time; the first request that
-  reads a prefetch credits it (hidden / exposed, ``kv_metrics``). These overrides of SGLang's load
-  path live in ``loads.py`` (:class:`~.loads.KVFlowLoads`, a mixin of this class).
+  its prefix is still loading records the wait (:meth:`kvflow_blocked`): exposed load time;
+  the first request that reads a prefetch credits it (hidden / exposed, ``kv_metrics``). These
+  overrides of SGLang's load path live in ``loads.py`` (:class:`~.loads.KVFlowLoads`, a mixin
+  of this class).
 - :class:`~kvflow_agents.serving.policy.toolgap.ToolGaps` (``kv_gaps``): a tool hint
   (``kvflow_tool_s``) gives the waiting agent's whole last turn (SGLang's record of the finished
   request) a resume tag in the same book, with its time plan (moved in :meth:`kvflow_expire`);
