@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .costs import Profile, load_profile
-from .engine import SimResult, compare
+from .engine import compare
+from .state import SimResult
 from .workloads import Workload, cycle
 
 POLICIES = ("lru", "hicache", "kvflow", "oracle")

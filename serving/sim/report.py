@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Optional, Sequence
 
-from .engine import SimResult
+from .state import SimResult
 
 
 def _f(v: Optional[float], fmt: str = "{:.2f}") -> str:
