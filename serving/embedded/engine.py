@@ -50,8 +50,8 @@ exists to demonstrate prefetch/overlap on machines without a GPU.
 The engine thread's side (one scheduler step, the cache protocol per request, failure
 isolation inside a step) is :class:`~.engine_loop.EngineLoop`, which ``Engine`` inherits, with
 its model side (prefill, decode, retraction, deterministic mode) in
-:class:`~.engine_forward.ForwardSteps`. The calls written over ``make_request`` / ``submit`` / ``abort`` /
-``_call_future`` (``generate``, ``chat``, ``stream``, ``call``, ``acall``, ``cache_report``) are
+:class:`~.engine_forward.ForwardSteps`. The calls written over ``make_request`` / ``submit`` /
+``abort`` / ``_call_future`` (``generate``, ``chat``, ``stream``, ``call``, ``acall``, ``cache_report``) are
 :class:`EngineAPI`'s, shared with :class:`~.engine_core.EngineCoreClient`, the same engine in a
 process of its own (``kvflow serve --engine-process``).
 """
