@@ -13,6 +13,10 @@ What it answers:
   the earliest, while recomputed tokens join the current step's prefill; engines report their
   step time with :meth:`observe_step`);
 - ``should_load(pages, recompute_s)``: load rather than recompute (True without an estimate);
+  the admission delay counts only while the engine runs requests (:meth:`engine_busy`): an
+  idle engine starts the loaded request when its load lands, so a 3-page load (17 ms) was
+  declined for a 65 ms recompute because a 58 ms step that was not running was added to it
+  (AutoGen PEER's reviewer, ``bench/RESULTS.md`` 6.47);
 - ``recompute_s(n_tokens, ctx)``: the engine's recompute estimate (``recompute_cost`` callable,
   a fixed ``recompute_s_per_token``, or the prefill speed it reports with
   :meth:`observe_prefill`, weighted by tokens); ``None`` means "no estimate: always load";
@@ -160,8 +164,17 @@ class LoadTracker:
             return r
         return r * (1 + max(0, int(self.recompute_stalls())))
 
+    def engine_busy(self) -> bool:
+        """Is a step in progress that a loaded request would wait for? Not when the engine
+        runs nothing (``recompute_stalls() == 0``): it sleeps until the load lands (or, with
+        layer-wise loads, until the request's own prefill can hide the rest) and starts the
+        request's step then, so no admission delay is added. Unknown (no ``recompute_stalls``):
+        busy, as before."""
+        return self.recompute_stalls is None or int(self.recompute_stalls()) > 0
+
     def should_load(self, n_pages: int, recompute_s: float | None, now: float) -> bool:
-        if recompute_s is None or self.estimate_load_s(n_pages, now) <= recompute_s:
+        if recompute_s is None or self.estimate_load_s(
+                n_pages, now, admission=self.engine_busy()) <= recompute_s:
             self._declined_in_row = 0
             return True
         if self.configured_spp is None and self.measured_spp is not None:

@@ -28,7 +28,7 @@ next page of each running session still growing, unless ``set_reserved_pages`` (
 fit in free + evictable-above-``s`` - reserve. Load versus recompute (off unless the engine gives
 an estimate: ``recompute_s_per_token``, ``recompute_cost(n, ctx)``, or ``observe_prefill``):
 a demand load is declined when the load tracker's estimate (link queue + transfer + one
-admission delay, from ``observe_step``) exceeds recomputing, counted once for this request
+admission delay, from ``observe_step``, while requests run) exceeds recomputing, counted once for this request
 and once for each request a recompute would stall (``recompute_stalls()``: the engine's
 running requests); the planner drops a late prefetch when its agent would wait longer.
 

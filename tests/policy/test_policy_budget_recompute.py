@@ -238,6 +238,28 @@ def test_a_recompute_is_weighed_with_every_request_it_would_stall():
         assert m.metrics.prefetch_issued == 1 - skips
 
 
+def test_an_idle_engine_adds_no_admission_delay_to_a_load():
+    """A loaded request waits for the step in progress to end (the admission delay), but an
+    engine that runs nothing starts it when the load lands. 3 s of load and a 2 s step
+    against 3.6 s of recompute: declined where the engine's load is unknown (the step
+    counted, as before); loaded on an idle engine, where that step used to tip it (AutoGen
+    PEER's reviewer: a 17 ms load declined for a 65 ms recompute, bench/RESULTS.md 6.47);
+    loaded while one request runs, since recomputing would stall it too (7.2 s)."""
+    stalls = {"unknown": None, "idle": lambda: 0, "busy": lambda: 1}
+    for case, loads in (("unknown", False), ("idle", True), ("busy", True)):
+        m = make_manager("kvflow", page_size=1, device_pages=8, host_pages=64, link=1.0,
+                         recompute_s_per_token=1.2, recompute_stalls=stalls[case])
+        put(m, [1, 2, 3])
+        m.free(m.allocate(8))                      # push it to host
+        m.observe_step(20.0)                       # EMA 0.1: a 2 s step
+        assert m.loads.admission_delay_s == pytest.approx(2.0)
+        assert m.loads.engine_busy() == (case != "idle")
+        got = m.load_on_demand(m.match([1, 2, 3]))
+        assert (got is not None) == loads, case
+        assert m.metrics.loads_declined == (0 if loads else 1)
+        m.check_invariants()
+
+
 def test_load_estimate_includes_queueing_behind_in_flight_loads():
     m = make_manager("hicache", page_size=1, device_pages=16, host_pages=64, link=1.0,
                      recompute_cost=lambda n, ctx: 2.5 * n)  # 2.5 s per token
