@@ -117,8 +117,20 @@ def fixed_prompt_tokens(model: str) -> dict[str, int]:
     return {a: counter.count(getattr(prompts, f"{a.upper()}_SYSTEM")) + 5 for a in AGENTS}
 
 
+def largest_completion(framework: str, max_tokens: int) -> int:
+    """The most tokens one PEER call may write. The LangGraph app caps each agent's calls
+    itself (``app.MAX_TOKENS``, bound per agent: they override the client's ``max_tokens``);
+    the AutoGen app's calls write at most ``max_tokens`` (``--max-tokens``)."""
+    if framework == "langgraph":
+        from examples.peer_financial_qa.app import MAX_TOKENS
+
+        return max(MAX_TOKENS.values())
+    return max_tokens
+
+
 def min_device_tokens(fixed: dict[str, int], max_tokens: int, page: int, user_tokens: int = 768) -> int:
-    """Device tokens the largest single PEER request needs (fixed + user message + output)."""
+    """Device tokens the largest single PEER request needs (fixed + user message + output;
+    ``max_tokens``: :func:`largest_completion`)."""
     n = max(fixed.values()) + user_tokens + max_tokens
     return -(-n // page) * page + page
 

@@ -37,12 +37,15 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         warmup_questions: int = typer.Option(1, min=0, help="Unmeasured warm-up questions first."),
         jump: str = typer.Option("expressing", help="Where a failed review goes: expressing | planning."),
         max_rounds: int = typer.Option(2, min=1, help="Most reviews per question."),
-        max_tokens: int = typer.Option(48, min=1, help="Max completion tokens per call."),
+        max_tokens: int = typer.Option(
+            48, min=1, help="Max completion tokens per call of the AutoGen app (the LangGraph app "
+                            "caps each agent's calls itself: MAX_TOKENS in "
+                            "examples/peer_financial_qa/app.py)."),
         policies: str = typer.Option(_DEFAULT_POLICIES, help="Comma-separated: lru,hicache,kvflow,oracle."),
         model: str = typer.Option("smollm2-135m", help="Model preset for the embedded servers."),
         device_tokens: Optional[int] = typer.Option(
             None, help="Device KV pool (tokens). Default: --device-fraction of the 4 agents' fixed "
-                       "prompts, at least what the largest fan-out needs."),
+                       "prompts, at least what the largest single request needs."),
         device_fraction: float = typer.Option(0.6, help="Default device pool as a fraction of the fixed prompts."),
         host_tokens: int = typer.Option(16384, min=0, help="Host KV pool (tokens)."),
         page_size: int = typer.Option(16, min=1, help="Tokens per KV page."),
@@ -127,7 +130,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
             fixed_toks = peer_bench.fixed_prompt_tokens(model)
             total = sum(fixed_toks.values())
-            need = peer_bench.min_device_tokens(fixed_toks, max_tokens, page_size)
+            need = peer_bench.min_device_tokens(
+                fixed_toks, peer_bench.largest_completion(framework, max_tokens), page_size)
             dev = device_tokens if device_tokens is not None else max(
                 _round_page(device_fraction * total, page_size), need)
             link = host_link_gbps
@@ -156,7 +160,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                               "variants": _variants_json(variants), "commands": commands}
         meta["command"] = command_line("peer")
         title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "
-                 f"{model}, max_tokens {max_tokens}" + ("" if hints == "on" else f", hints: {hints}"))
+                 f"{model}, " + (f"max_tokens {max_tokens}" if framework == "autogen" else "max_tokens per agent")
+                 + ("" if hints == "on" else f", hints: {hints}"))
         _run_and_report(
             lambda hook, log: peer_bench.run_peer_bench(qs, warm, opts, pols, server, base_url=base_url,
                                                         model=served_model or model, api_key=api_key,

@@ -352,6 +352,24 @@ def test_default_jump_messages_fanout_and_review_loop():
     assert "Review notes" not in user_text([b for b in b2 if agent_of(b) == "expresser"][0])
 
 
+def test_each_agent_sends_its_own_max_tokens_whatever_the_client_default():
+    """The app binds each agent's cap (``MAX_TOKENS``) over the client's ``max_tokens`` (64
+    here): what goes on the wire is the agent's, so the bench sizes its smallest pool from
+    those caps (``largest_completion``), not from ``--max-tokens``."""
+    from kvflow_agents.bench.peer import largest_completion
+
+    with RecordingOpenAIServer(reply=Script()) as srv:
+        ((_, bodies),) = run_questions(srv, [Q1])
+    sent = {}
+    for b in bodies:
+        cap = b.get("max_completion_tokens", b.get("max_tokens"))
+        key = ("search" if not searched(b) else "findings") if agent_of(b) == "executor" else agent_of(b)
+        sent.setdefault(key, set()).add(cap)
+    assert sent == {k: {v} for k, v in peer.MAX_TOKENS.items()}
+    assert largest_completion("langgraph", 64) == max(peer.MAX_TOKENS.values()) > 64
+    assert largest_completion("autogen", 64) == 64  # that app's calls use the client's cap
+
+
 def test_jump_planning_goes_back_to_planner():
     script = Script(verdicts={Q1.question: ["FAIL", "PASS"]})
     with RecordingOpenAIServer(reply=script) as srv:
