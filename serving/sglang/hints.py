@@ -4,7 +4,7 @@ request carries and the out-of-band ones (a mixin, like :mod:`.loads`).
 - Intake (``kvflow_on_request``, from the hook on ``Scheduler._add_request_to_queue``): the
   request's ``custom_params`` are parsed (malformed hints are counted and ignored, never fail
   the request), its tag ``(workflow key, agent)`` is remembered until its prompt is cached
-  (``ReqHints``; tagging is in ``cache.py``), its agent is held from prefetch while it waits
+  (``ReqHints``; tagging is in ``tagging.py``), its agent is held from prefetch while it waits
   (its own request decides: demand load or recompute), and the STEs are merged into the policy
   core's book unless the hint is stale (an earlier step than its workflow's latest). A request
   SGLang queues again (retraction, preemption, grammar wait) renews its tag only.
