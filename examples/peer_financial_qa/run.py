@@ -62,7 +62,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--jump", choices=("expressing", "planning"), default="expressing",
                    help="where a failed review goes (default: expressing, as agentUniverse's PEER)")
     p.add_argument("--max-rounds", type=int, default=2, help="most reviews per question (default 2)")
-    p.add_argument("--max-tokens", type=int, default=160, help="max completion tokens per call")
+    p.add_argument("--max-tokens", type=int, default=160,
+                   help="max completion tokens per call (AutoGen app; the LangGraph app binds "
+                        "each agent's own cap: MAX_TOKENS in app.py)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, help="sampling seed sent to the server")
     p.add_argument("--no-instrument", action="store_true", help="do not call kvflow.instrument (baseline)")
