@@ -20,10 +20,11 @@ embedded engine and the simulator:
   or prefetch, is tracked until its ack is reaped (``loading_check``); the measured durations
   calibrate the link estimate (seconds per page) the planner and the demand decision use. A
   demand load (``init_load_back``) is skipped, and the host part recomputed, when the estimate
-  (link queue + transfer + one scheduler step) exceeds recomputing (the prefill speed measured
-  per batch, or ``recompute_s_per_token``, times 1 + the requests the recompute would stall:
-  SGLang's running batch and the round's prefill batch so far). A request held back because
-  its prefix is still loading records the wait (:meth:`kvflow_blocked`): exposed load time;
+  (link queue + transfer + one scheduler step while requests run) exceeds recomputing (the
+  prefill speed measured per batch, or ``recompute_s_per_token``, times 1 + the requests the
+  recompute would stall: SGLang's running batch and the round's prefill batch so far). A
+  request held back because its prefix is still loading records the wait
+  (:meth:`kvflow_blocked`): exposed load time;
   the first request that reads a prefetch credits it (hidden / exposed, ``kv_metrics``). These
   overrides of SGLang's load path live in ``loads.py`` (:class:`~.loads.KVFlowLoads`, a mixin
   of this class).
