@@ -160,7 +160,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                               "variants": _variants_json(variants), "commands": commands}
         meta["command"] = command_line("peer")
         title = (f"kvflow bench peer ({framework}): {len(qs)} question(s) ({', '.join(q.id for q in qs)}), "
-                 f"{model}, " + (f"max_tokens {max_tokens}" if framework == "autogen" else "max_tokens per agent")
+                 f"{model}, "
+                 + (f"max_tokens {max_tokens}" if framework == "autogen" else "max_tokens per agent")
                  + ("" if hints == "on" else f", hints: {hints}"))
         _run_and_report(
             lambda hook, log: peer_bench.run_peer_bench(qs, warm, opts, pols, server, base_url=base_url,

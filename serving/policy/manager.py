@@ -28,9 +28,10 @@ next page of each running session still growing, unless ``set_reserved_pages`` (
 fit in free + evictable-above-``s`` - reserve. Load versus recompute (off unless the engine gives
 an estimate: ``recompute_s_per_token``, ``recompute_cost(n, ctx)``, or ``observe_prefill``):
 a demand load is declined when the load tracker's estimate (link queue + transfer + one
-admission delay, from ``observe_step``, while requests run) exceeds recomputing, counted once for this request
-and once for each request a recompute would stall (``recompute_stalls()``: the engine's
-running requests); the planner drops a late prefetch when its agent would wait longer.
+admission delay, from ``observe_step``, while requests run) exceeds recomputing, counted once
+for this request and once for each request a recompute would stall (``recompute_stalls()``:
+the engine's running requests); the planner drops a late prefetch when its agent would wait
+longer.
 
 Hidden / exposed load time and wasted prefetches are counted in ``metrics`` (:mod:`.loads`).
 Not thread-safe: call it from the scheduler thread only. Under ``oracle`` the device pool grows
