@@ -348,3 +348,69 @@ def test_cuda_stream_load_roundtrip(tiny16):
     assert torch.allclose(got, ref[32:], atol=5e-2)
     pool.synchronize()
     assert pool.is_ready()
+
+
+def test_idle_copies_run_when_the_engine_is_idle_or_a_forward_needs_them(tiny16):
+    """``idle_copies``: a load or backup returns at once with nothing copied; the copies run
+    on the caller's thread, oldest first, when it asks (``run_idle_copies``: the engine, when a
+    step found nothing to do) or when a forward waits for pages one of them touches: then
+    that copy and every copy queued before it run, so the copy thread's order holds (a backup
+    copies what an earlier load wrote; a later load reads what an earlier backup wrote)."""
+    _, _, cfg = tiny16
+    pool = make_pool(cfg, device_pages=8, host_pages=8, idle_copies=True)
+    assert pool.copy_mode == "idle"
+    for p in range(8):
+        pool.host_kv[:, :, p] = float(p)
+    pool.device_kv[:, :, 3] = 30.0
+    pool.start_load([1], [5])                   # host 1 -> device 5
+    pool.backup_to_host([5, 3], [7, 2])         # device 5 (after its load), 3 -> host 7, 2
+    pool.start_load([2], [6])                   # reads host 2 after the backup wrote it
+    pool.start_load([4], [0])                   # unrelated, queued last
+    assert pool.copying and pool.stats["load_s"] == 0.0 and pool.stats["backup_s"] == 0.0
+    assert torch.all(pool.device_kv[:, :, 5] == 0.0)        # nothing copied yet
+    pool.wait_copies([6])                       # a forward reading device 6: the first three run
+    assert torch.all(pool.host_kv[:, :, 7] == 1.0) and torch.all(pool.host_kv[:, :, 2] == 30.0)
+    assert torch.all(pool.device_kv[:, :, 6] == 30.0)
+    assert torch.all(pool.device_kv[:, :, 0] == 0.0) and not pool.is_ready([0])  # still queued
+    assert pool.run_idle_copies() == 1 and not pool.copying
+    assert torch.all(pool.device_kv[:, :, 0] == 4.0) and pool.stats["load_s"] > 0
+    assert pool.run_idle_copies() == 0
+    with pytest.raises(IndexError):             # bad ids fail the caller at once
+        pool.start_load([8], [0])
+    pool.start_load([3], [1])
+    pool.close()                                # runs what is queued
+    assert torch.all(pool.device_kv[:, :, 1] == 3.0) and not pool.copying
+    with pytest.raises(ValueError, match="choose one"):
+        make_pool(cfg, copy_thread=True, idle_copies=True)
+
+
+def test_a_failed_idle_copy_stops_every_forward_until_taken(tiny16, monkeypatch):
+    """An idle copy was promised when it was queued, as a copy thread's: one that fails when it
+    runs is recorded, not raised to the idle engine, and no wait lets a forward go on until the
+    owner takes the failure; the copies still queued are dropped with the cache."""
+    from kvflow_agents.serving.embedded import kv_pool
+
+    _, _, cfg = tiny16
+    copy = kv_pool._copy_pages
+
+    def failing_backup(dst, dst_pages, src, src_pages):
+        if dst.tensor is pool.host_kv:
+            raise RuntimeError("injected")
+        copy(dst, dst_pages, src, src_pages)
+
+    monkeypatch.setattr(kv_pool, "_copy_pages", failing_backup)
+    pool = make_pool(cfg, device_pages=8, host_pages=8, idle_copies=True)
+    pool.backup_to_host([1], [2])
+    pool.start_load([3], [4])
+    assert pool.run_idle_copies(1) == 1         # the backup fails: recorded, not raised
+    assert isinstance(pool.copy_failure, RuntimeError)
+    with pytest.raises(kv_pool.KVCopyFailed):
+        pool.wait_copies([6])                   # pages no copy touches: still no forward
+    exc = pool.take_copy_failure()
+    assert str(exc) == "injected" and not pool.copying and pool.take_copy_failure() is None
+    pool.wait_copies([1, 4])                    # the owner has reset: forwards go on
+    pool.start_load([5], [6])
+    pool.backup_to_host([1], [2])
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.synchronize()                      # runs every queued copy, then raises
+    assert not pool.copying
