@@ -64,12 +64,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             help="CPU only: KV copies (host backups, loads) on a background thread, or inline "
                  "on the engine thread between forwards (the default: a copy beside a forward "
                  "shares its caches, and inline measured faster; bench/RESULTS.md 6.33)."),
-        idle_copies: bool = typer.Option(
-            False, "--idle-copies/--eager-copies",
-            help="CPU, inline copies: queue each KV copy and run it when the engine has "
-                 "nothing else to do (between calls) or when a forward needs its pages, "
-                 "whichever is first, instead of when the cache starts it. Not with "
-                 "--copy-thread."),
         lazy_decode_pages: bool = typer.Option(
             True, "--lazy-decode-pages/--upfront-decode-pages",
             help="Allocate a request's decode pages as it writes them (the default, as SGLang "
@@ -182,10 +176,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter(f"unknown engine {engine!r}; choose embedded or sglang", param_hint="--engine")
         if ctx.args:
             raise typer.BadParameter(f"unknown option(s) for the embedded engine: {' '.join(ctx.args)}")
-        if copy_thread and idle_copies:
-            raise typer.BadParameter("--idle-copies runs the copies on the engine thread; "
-                                     "--copy-thread on a thread of their own: choose one",
-                                     param_hint="--idle-copies")
         from kvflow_agents.serving.policy.policies import POLICIES
         if policy not in POLICIES:
             raise typer.BadParameter(f"choose one of {', '.join(POLICIES)}", param_hint="--policy")
@@ -228,7 +218,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
                            turn_gaps=turn_gaps, layerwise_load=layerwise_load,
                            recompute_aware=recompute_aware, copy_thread=copy_thread,
-                           idle_copies=idle_copies,
                            lazy_decode_pages=lazy_decode_pages, decode_reserve=decode_reserve,
                            admission=admission, status_aware=status_aware,
                            skip_scope=skip_scope, lease_s=lease_s, backup=backup,

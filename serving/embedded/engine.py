@@ -179,7 +179,7 @@ class Engine(EngineAPI, EngineLoop):
         host_pages = cfg.host_tokens // ps if self.policy.host_tier else 0
         self.pool = PagedKVPool(self.model_config, device_pages=dev_pages, host_pages=host_pages,
                                 page_size=ps, device=cfg.device, host_link_gbps=cfg.host_link_gbps,
-                                copy_thread=cfg.copy_thread, idle_copies=cfg.idle_copies)
+                                copy_thread=cfg.copy_thread)
         self.manager = KVCacheManager(
             self.policy, page_size=ps, device_pages=dev_pages, host_pages=host_pages,
             backend=self.pool, lookahead=cfg.lookahead, max_inflight_loads=cfg.max_inflight_loads,

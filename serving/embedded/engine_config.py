@@ -56,10 +56,6 @@ class EngineConfig:
     # or on a background copy thread (True), which overlaps them with the forwards but runs
     # them through the same caches: measured slower with 8 workflows (bench/RESULTS.md 6.33).
     copy_thread: bool = False
-    # CPU, inline copies: queue them instead, and run them on the engine thread when a step
-    # finds nothing to do (between one call's end and the next call's arrival), or when a
-    # forward reads or writes their pages, whichever comes first (bench/RESULTS.md 6.48)
-    idle_copies: bool = False
     # Allocate a request's decode pages as it writes them (True, as SGLang and vLLM do) or all
     # of prompt + max_tokens at admission. Admission reserves them either way (a running
     # request never runs out); lazily, the pages it has not written yet hold cache meanwhile,

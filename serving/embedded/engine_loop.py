@@ -137,11 +137,6 @@ class EngineLoop(ForwardSteps):
         with torch.inference_mode():
             while not self._stop.is_set():
                 try:
-                    if not progress and self.pool.idle_copies and self.pool.copying:
-                        # nothing to run: the copies queued meanwhile run now, off every
-                        # request's path (--idle-copies), unless a forward needed them first
-                        self.pool.stats["copies_run_idle"] += self.pool.run_idle_copies()
-                        progress = True
                     self._drain(0.0 if progress else self._idle_timeout())
                     if self._stop.is_set():
                         break

@@ -69,8 +69,7 @@ class PagedKVPool:
     def __init__(self, config: LlamaConfig, *, device_pages: int, host_pages: int,
                  page_size: int = 16, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, host_link_gbps: float | None = None,
-                 clock: Callable[[], float] | None = None, copy_thread: bool = False,
-                 idle_copies: bool = False) -> None:
+                 clock: Callable[[], float] | None = None, copy_thread: bool = False) -> None:
         """``copy_thread`` (CPU): copy loads and backups on a background thread instead of
         inline on the caller's (the engine's) thread (see the module docstring)."""
         self.config = config
@@ -93,13 +92,9 @@ class PagedKVPool:
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # CPU copies
         self._tier_bytes: dict[str, _TierBytes] = {}  # CPU copies: "device" | "host" -> its bytes
-        if copy_thread and idle_copies:
-            raise ValueError("copy_thread runs copies on a thread of their own, idle_copies on "
-                             "the caller's: choose one")
         self.copy_thread = bool(copy_thread) and not self._cuda
-        self.idle_copies = bool(idle_copies) and not self._cuda
         self.stats = {"backup_pages": 0, "load_pages": 0, "backup_s": 0.0, "load_s": 0.0,
-                      "copies_run_by_waiter": 0, "copies_run_idle": 0}
+                      "copies_run_by_waiter": 0}
         self._stats_lock = threading.Lock()
         self.copy_failure: BaseException | None = None  # the copy thread's first failed copy
 
@@ -108,9 +103,7 @@ class PagedKVPool:
         """Where copies between the tiers run, as ``kvflow serve`` reports it."""
         if self._cuda:
             return "copy stream"
-        if self.copy_thread:
-            return "copy thread"
-        return "idle" if self.idle_copies else "inline"
+        return "copy thread" if self.copy_thread else "inline"
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -192,12 +185,6 @@ class PagedKVPool:
                     else (self._bytes("host"), self._bytes("device")))
         dst_pages, src_pages = ((device_pages, host_pages) if kind == "load"
                                 else (host_pages, device_pages))
-        if self.idle_copies:
-            args = (kind, dst, list(dst_pages), src, list(src_pages))
-            self._pending.append(_Copy(concurrent.futures.Future(),
-                                       frozenset(int(p) for p in device_pages),
-                                       frozenset(int(p) for p in host_pages), args))
-            return
         if not self.copy_thread:
             self._timed_copy(kind, dst, dst_pages, src, src_pages)
             return
@@ -226,7 +213,7 @@ class PagedKVPool:
             _copy_pages(dst, dst_pages, src, src_pages)
         except Exception as e:  # ids were checked: only a broken tensor gets here
             log.exception("KV %s of %d pages failed", kind, len(dst_pages))
-            if (self.copy_thread or self.idle_copies) and self.copy_failure is None:
+            if self.copy_thread and self.copy_failure is None:
                 self.copy_failure = e  # promised already: nothing in the pool is trusted now
             raise
         with self._stats_lock:  # (the copy thread and a waiter may both be copying)
@@ -277,10 +264,6 @@ class PagedKVPool:
             for c in self._pending:
                 if want is None or want & c.device_pages:
                     cur.wait_event(c.done)
-        elif self.idle_copies:
-            last = max((i for i, c in enumerate(self._pending)
-                        if want is None or want & c.device_pages), default=-1)
-            self.run_idle_copies(last + 1)
         else:
             for c in list(self._pending):
                 if want is None or want & c.device_pages:
@@ -303,8 +286,6 @@ class PagedKVPool:
         if exc is None:
             return None
         pending, self._pending = self._pending, []
-        if self.idle_copies:  # queued idle copies are dropped unrun: the cache is reset
-            pending = []
         concurrent.futures.wait([c.done for c in pending])
         self.copy_failure = None
         return exc
@@ -324,33 +305,9 @@ class PagedKVPool:
         self._timed_copy(*c.args)
         return True
 
-    def run_idle_copies(self, n: int | None = None) -> int:
-        """Idle copies (``idle_copies``): run the oldest ``n`` queued copies (all if None) on
-        this thread, oldest first, so every copy still runs after those queued before it (the
-        copy thread's FIFO order). Returns how many ran. A copy that fails was promised when
-        it was queued, as on the copy thread: it is recorded in ``copy_failure`` (the waits
-        raise from then on), not raised here."""
-        todo = self._pending[:n] if n is not None else list(self._pending)
-        del self._pending[:len(todo)]
-        for c in todo:
-            c.done.set_running_or_notify_cancel()
-            try:
-                self._timed_copy(*c.args)
-            except Exception as e:  # noqa: BLE001 - recorded in copy_failure by _timed_copy
-                c.done.set_exception(e)
-            else:
-                c.done.set_result(None)
-        return len(todo)
-
     def synchronize(self) -> None:
         """Block the CPU until every copy has finished; then raise the first failed one's error
         (every copy is waited for first: none is left running untracked)."""
-        if self.idle_copies:
-            before = self.copy_failure
-            self.run_idle_copies()
-            if self.copy_failure is not None and self.copy_failure is not before:
-                raise self.copy_failure
-            return
         pending, self._pending = self._pending, []
         failed: BaseException | None = None
         for c in pending:
