@@ -80,8 +80,17 @@ def test_the_report_prints_raw_and_adjusted_side_by_side():
     assert sa["latency_vs_oracle_adjusted"]["kvflow"]["ratio"] == pytest.approx(1.01, abs=0.01)
     t = next(x for x in doc["targets"] if x["target"].endswith("over hicache"))
     assert t["speed_adjusted"]["measured"] == sa["saving"]["kvflow"]["hicache"]["ratio"]
+    # the interval is the mean's: the mean it is about stands beside it, in the table and the
+    # target line (a p50 point alone beside it read 0.64 against 0.65..0.94)
+    adj_mean = sa["saving"]["kvflow"]["hicache"]["ratio_mean"]
+    assert t["speed_adjusted"]["measured_mean"] == adj_mean
+    names = [n for n, _ in report.rows(res, wide=False)]
+    i = names.index("saving vs hicache, adj.")
+    assert names[i + 1:i + 3] == ["  mean", "  90% CI (mean)"]
+    assert report.rows(res, wide=False)[i + 1][1][1] == f"{adj_mean:.2f}"  # kvflow
     lines = report.target_lines(res, report.SAVING_TARGETS)
-    assert any(line.startswith("  speed-adjusted") for line in lines)
+    line = next(x for x in lines if x.startswith("  speed-adjusted"))
+    assert f"(p50), mean {adj_mean:.2f}; mean's 90% CI" in line
     assert all(len(line) <= 80 for line in lines if line.startswith(" "))
 
 
