@@ -123,3 +123,26 @@ def test_an_imprecise_fit_is_withheld_and_the_report_says_so():
     good = report.to_json({}, simulate({"hicache": 1.2, "kvflow": 1.0, "oracle": 1.0}))
     assert good["speed_fit"]["used"] and good["speed_fit"]["se"] < 0.1
     assert good["speed_adjusted"]["beta_se"] == good["speed_fit"]["se"]
+
+
+def test_decode_steps_unlike_the_oracles_beyond_luck_are_named_under_the_adjusted_saving():
+    """The adjustment takes every difference in decode-step time for the process's luck. Where a
+    compared policy's steps differ from the oracle's by more than that (its interval excludes
+    1, e.g. hicache's 1.07x on the 8-workflow cycle), the report names it under the adjusted
+    saving; where they do not, it says nothing."""
+    plain = simulate({"hicache": 1.25, "kvflow": 1.01, "oracle": 1.00})
+    t = next(x for x in report.check_targets(plain, report.SAVING_TARGETS)
+             if x["target"].endswith("over hicache"))
+    assert t["speed_adjusted"]["steps_unlike_oracle"] == []
+    assert not any("caveat" in line for line in report.target_lines(plain, report.SAVING_TARGETS))
+
+    slow = simulate({"hicache": 1.25, "kvflow": 1.01, "oracle": 1.00}, policy_slowdown={"hicache": 1.08})
+    ci = speed.speed_summary(slow)["speed_vs_oracle_ci"]["hicache"]
+    assert ci["lo"] > 1.0 and ci["ratio"] == pytest.approx(1.08, abs=0.04)
+    t = next(x for x in report.check_targets(slow, report.SAVING_TARGETS)
+             if x["target"].endswith("over hicache"))
+    [named] = t["speed_adjusted"]["steps_unlike_oracle"]
+    assert named["policy"] == "hicache" and named["lo"] == ci["lo"]
+    lines = [x for x in report.target_lines(slow, report.SAVING_TARGETS) if "caveat" in x]
+    assert len(lines) == 1 and f"hicache's decode steps {ci['ratio']:.3f}x" in lines[0]
+    assert all(len(x) <= 80 for x in report.target_lines(slow, report.SAVING_TARGETS) if x.startswith(" "))
