@@ -141,9 +141,7 @@ def check_targets(results: Sequence[PolicyResult], targets: Sequence[Target], *,
                 # the decode steps of the policies compared that ran slower or faster than the
                 # oracle's by more than the processes' luck (an interval that excludes 1): the
                 # adjustment credits a policy's own effect on its forwards as if it were luck
-                # (only where the adjustment is by those steps: a start-up probe is not)
-                sp = fig.speed or {}
-                steps = (sp.get("speed_vs_oracle_ci") or {}) if sp.get("covariate") == speed.STEP else {}
+                steps = (fig.speed or {}).get("speed_vs_oracle_ci") or {}
                 credited = [{"policy": p, **{k: steps[p][k] for k in ("ratio", "lo", "hi")}}
                             for p in (t.baseline, t.policy)
                             if steps.get(p) and not steps[p]["lo"] <= 1.0 <= steps[p]["hi"]]
@@ -285,8 +283,6 @@ def rows(results: Sequence[PolicyResult], wide: bool = True, *,
 
     step_ms = [_fmt(mean(v for _, v in tr) if (tr := r.workload.get("decode_step_trials_s")) else None, "ms")
                for r in results]
-    probe_ms = [_fmt(mean(v for _, v in tr) if (tr := r.workload.get("speed_probe_trials_s")) else None, "ms")
-                for r in results]
     trial_p50 = [_range([v for _, v in (r.workload.get("workflow_latency_trials_s") or [])], "s")
                  for r in results]
     pf = [f"{_fmt((r.server or {}).get('prefetch_used'), 'int')}/"
@@ -320,7 +316,6 @@ def rows(results: Sequence[PolicyResult], wide: bool = True, *,
         *([("saving vs hicache, pool", saving("hicache", "ratio", psav)),
            ("  over trials", saving("hicache", "range", psav))] if psav else []),
         *([("model ms / decode step", step_ms),
-           *([("speed probe (ms)", probe_ms)] if any(x != "-" for x in probe_ms) else []),
            ("vs oracle per trial", [f"{x['ratio']:.3f}" if x else "-" for x in raw_vs_o]),
            ("  speed-adjusted", [f"{x['ratio']:.3f}" if x else "-" for x in adj_vs_o]),
            (f"  {CI_LEVEL:.0%} CI", [_range([x["lo"], x["hi"]], "f2") if x else "-" for x in adj_vs_o]),

@@ -43,8 +43,6 @@ _COUNTERS = ("requests", "hit_tokens_device", "hit_tokens_host", "hit_tokens_loa
              "engine_steps", "engine_decode_steps", "engine_prefill_forward_s", "engine_decode_forward_s",
              "engine_copy_s", "engine_layerwise_loads", "engine_layerwise_wait_s")
 _BY_REASON = ("evictions", "evicted_pages", "prefetch_wasted_by")   # counters keyed by reason
-# the engine's gauges: carried as they are, not as a difference (set once per process)
-_GAUGES = ("engine_speed_probe_s",)
 
 
 @dataclass
@@ -135,7 +133,6 @@ def metrics_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dic
     if before is None or after is None:
         return None
     out = {k: after.get(k, 0) - before.get(k, 0) for k in _COUNTERS if k in after}
-    out.update({k: after[k] for k in _GAUGES if after.get(k) is not None})
     for k in _BY_REASON:
         a, b = after.get(k) or {}, before.get(k) or {}
         out[k] = {r: a.get(r, 0) - b.get(r, 0) for r in a if a.get(r, 0) - b.get(r, 0)}
@@ -220,8 +217,6 @@ def _add_counters(acc: Optional[dict], d: Optional[dict]) -> Optional[dict]:
         if isinstance(v, dict):
             for r, x in v.items():
                 acc.setdefault(k, {})[r] = acc.get(k, {}).get(r, 0) + x
-        elif k in _GAUGES:
-            acc[k] = v  # the last trial's (per trial: speed_probe_trials_s)
         elif isinstance(v, (int, float)) and not k.endswith(("_rate", "_fraction")):
             acc[k] = acc.get(k, 0) + v
     return acc
@@ -293,7 +288,6 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
     merged: dict[str, WorkloadResult] = {}
     counters: dict[str, Optional[dict]] = {}
     speeds: dict[str, list] = {}           # [trial, decode_step_s] per policy
-    probes: dict[str, list] = {}           # [trial, the server's speed probe] per policy
 
     def run_one(label: str, url: str, mdl: str, trial: int) -> None:
         def on_call(rec: CallRecord) -> None:
@@ -309,8 +303,6 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
         counters[label] = _add_counters(counters.get(label), delta)
         if (v := decode_step_s(delta)) is not None:
             speeds.setdefault(label, []).append([trial, v])
-        if (v := (delta or {}).get("engine_speed_probe_s")) is not None:
-            probes.setdefault(label, []).append([trial, v])
 
     if base_url:
         labels = ["external"]
@@ -348,7 +340,6 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
         summary = summarize_workload(res)
         summary["trials"] = trials
         summary["decode_step_trials_s"] = speeds.get(p, [])
-        summary["speed_probe_trials_s"] = probes.get(p, [])
         out.append(PolicyResult(p, summary, finish_counters(counters.get(p)), argv[p], startup[p],
                                 _raw(res) if keep_raw else None))
         if summary.get("errors"):

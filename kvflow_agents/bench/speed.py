@@ -48,16 +48,13 @@ MIN_TRIALS = 3
 MAX_BETA_SE = 0.3
 
 
-PROBE, STEP = "speed_probe_trials_s", "decode_step_trials_s"  # the speed measures (module doc)
-
-
-def _panel(results: Sequence[PolicyResult], key: str = STEP) -> tuple[list[str], list[int], dict]:
+def _panel(results: Sequence[PolicyResult]) -> tuple[list[str], list[int], dict]:
     """``(policies, trials, {(p, t): (log latency, log speed)})`` over the trials every policy
-    has both figures for (a balanced panel); ``key``: the speed measure."""
+    has both figures for (a balanced panel)."""
     cells: dict[str, dict[int, tuple[float, float]]] = {}
     for r in results:
         lat = {int(t): v for t, v in r.workload.get("workflow_latency_trials_s") or [] if v}
-        spd = {int(t): v for t, v in r.workload.get(key) or [] if v}
+        spd = {int(t): v for t, v in r.workload.get("decode_step_trials_s") or [] if v}
         cells[r.policy] = {t: (math.log(lat[t]), math.log(spd[t])) for t in lat.keys() & spd.keys()}
     trials = sorted(set.intersection(*(set(c) for c in cells.values()))) if cells else []
     pols = [r.policy for r in results]
@@ -67,12 +64,10 @@ def _panel(results: Sequence[PolicyResult], key: str = STEP) -> tuple[list[str],
 @dataclass(frozen=True)
 class ElasticityFit:
     """The fitted elasticity ``beta``, its standard error (residuals over the within-trial,
-    within-policy degrees of freedom), the trials it was fitted on and the speed measure
-    (``covariate``: :data:`PROBE` or :data:`STEP`)."""
+    within-policy degrees of freedom) and the trials it was fitted on."""
     beta: float
     se: float
     trials: int
-    covariate: str = STEP
 
     @property
     def usable(self) -> bool:
@@ -80,8 +75,7 @@ class ElasticityFit:
         return self.se <= MAX_BETA_SE
 
     def as_dict(self) -> dict:
-        return {"beta": self.beta, "se": self.se, "trials": self.trials, "used": self.usable,
-                "covariate": self.covariate}
+        return {"beta": self.beta, "se": self.se, "trials": self.trials, "used": self.usable}
 
     def withheld_line(self) -> str:
         return (f"speed adjustment withheld: elasticity {self.beta:.2f} +- {self.se:.2f} (standard "
@@ -96,15 +90,9 @@ def fit_beta(results: Sequence[PolicyResult]) -> Optional[float]:
 
 
 def fit_elasticity(results: Sequence[PolicyResult]) -> Optional[ElasticityFit]:
-    """The elasticity of trial latency to the process's speed, within trials and policies:
-    on the servers' start-up probes (:data:`PROBE`) where every policy has one per trial and
-    they spread (fresh servers per trial), else on the decode-step times (:data:`STEP`);
+    """The elasticity of trial latency to the process's speed, within trials and policies;
     ``None`` with fewer than :data:`MIN_TRIALS` common trials or no spread in speed."""
-    return _fit(results, PROBE) or _fit(results, STEP)
-
-
-def _fit(results: Sequence[PolicyResult], key: str) -> Optional[ElasticityFit]:
-    pols, trials, cell = _panel(results, key)
+    pols, trials, cell = _panel(results)
     if len(trials) < MIN_TRIALS or len(pols) < 2:
         return None
     n = len(pols) * len(trials)
@@ -116,13 +104,13 @@ def _fit(results: Sequence[PolicyResult], key: str) -> Optional[ElasticityFit]:
         return cell[p, t][i] - by_p[p][i] - by_t[t][i] + grand[i]
     xy = [(within(p, t, 1), within(p, t, 0)) for p in pols for t in trials]
     sxx = sum(x * x for x, _ in xy)
-    if sxx <= 1e-12:  # (no spread within trials and policies: one process per policy)
+    if sxx <= 0:
         return None
     beta = sum(x * y for x, y in xy) / sxx
     df = (len(pols) - 1) * (len(trials) - 1) - 1  # (the effects of policies and trials, beta)
     rss = sum((y - beta * x) ** 2 for x, y in xy)
     se = math.sqrt(rss / df / sxx) if df > 0 else math.inf
-    return ElasticityFit(beta, se, len(trials), key)
+    return ElasticityFit(beta, se, len(trials))
 
 
 def adjusted(results: Sequence[PolicyResult],
@@ -136,7 +124,7 @@ def adjusted(results: Sequence[PolicyResult],
     if fit is None or not fit.usable:
         return None
     beta = fit.beta
-    pols, trials, cell = _panel(results, fit.covariate)
+    pols, trials, cell = _panel(results)
     mean_log_speed = mean(cell[p, t][1] for p in pols for t in trials)
     out = []
     for r in results:
@@ -145,7 +133,7 @@ def adjusted(results: Sequence[PolicyResult],
         vals = [v for _, v in per]
         w = {**r.workload, "workflow_latency_trials_s": per, "workflow_latency_p50_s": median(vals),
              "workflow_latency_mean_s": mean(vals), "speed_beta": beta,
-             "speed_beta_se": fit.se, "speed_covariate": fit.covariate}
+             "speed_beta_se": fit.se}
         out.append(dataclasses.replace(r, workload=w, raw=None))
     return out
 
@@ -211,7 +199,6 @@ def speed_summary(results: Sequence[PolicyResult], run: Optional[AdjustedRun] = 
         return None
     adj, ref = run.results, "oracle"
     return {"beta": adj[0].workload["speed_beta"], "beta_se": adj[0].workload["speed_beta_se"],
-            "covariate": adj[0].workload["speed_covariate"],
             "trials": len(adj[0].workload["workflow_latency_trials_s"]),
             "speed_vs_oracle": speed_ratios(results, ref),
             # with its interval: one that excludes 1 is more than the processes' luck, and the

@@ -15,7 +15,7 @@ loads read as ``device``). Sizes are in tokens, not pages, for a person debuggin
      "gaps": {"turn_gaps", "open_tool", "open_turn", "tool_opened", "turns_opened",
               "closed_by_request", "tool_expired", "agents_learned", "turns_tracked"},
      "engine": {"steps", "decode_steps", "prefill_forward_s", "decode_forward_s",
-                "layerwise_loads", "layerwise_wait_s", "copy_s", "speed_probe_s"}}
+                "layerwise_loads", "layerwise_wait_s", "copy_s"}}
 
 ``engine.copy_s``: wall seconds copying KV between the tiers (loads and backups; CPU: on the
 engine thread, or on the copy thread with ``--copy-thread``; CUDA: the launches and the
@@ -23,9 +23,7 @@ backups' synchronous reads). A GPU's copy engine does the loads beside the forwa
 they take the forwards' cores, which is what this counter shows. ``engine.layerwise_loads``:
 prefills admitted while a load on their prefix was in flight (``--layerwise-load``), each
 reading a layer as it landed; ``layerwise_wait_s``: the seconds they waited on those layers
-(their compute hid the rest, counted in ``metrics.load_hidden_s``). ``engine.speed_probe_s``:
-the model's seconds per batch-1 decode forward, timed once at start (``speed_probe.py``; null
-when skipped).
+(their compute hid the rest, counted in ``metrics.load_hidden_s``).
 
 ``ste``/``priority`` ``null`` mean infinity (never again / not protected). With a ``tenant``
 (the server's tenancy), only that tenant's workflows are listed, under the ids it sent.
@@ -85,8 +83,7 @@ def cache_report(engine, tenant: Optional[str] = None) -> dict:
         "metrics": {k: num(v) for k, v in snap["metrics"].items()},
         "gaps": snap["gaps"],
         "engine": {**{k: engine.counters[k] for k in ENGINE_COUNTERS},
-                   "copy_s": engine.pool.stats["load_s"] + engine.pool.stats["backup_s"],
-                   "speed_probe_s": engine.speed_probe_s},
+                   "copy_s": engine.pool.stats["load_s"] + engine.pool.stats["backup_s"]},
     }
 
 

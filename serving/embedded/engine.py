@@ -198,11 +198,6 @@ class Engine(EngineAPI, EngineLoop):
                                    max_skip_s=cfg.max_skip_s,
                                    skip_scope=cfg.skip_scope or self.policy.skip_scope)
         self.page_size = ps
-        from .speed_probe import probe_decode_s
-
-        # before any request: the pool's pages are all free (speed_probe.py)
-        self.speed_probe_s = probe_decode_s(self.model, self.pool.device_kv,
-                                            reps=cfg.speed_probe_reps)
         self.manager.tags.hints.configure(max_workflows=cfg.max_workflows,
                                           max_agents_per_workflow=cfg.max_agents_per_workflow,
                                           max_agents=cfg.max_hint_agents,

@@ -62,9 +62,6 @@ class EngineConfig:
     # e.g. the next agent's prefetch while a request with max_tokens 240 writes 60 tokens
     # (bench/RESULTS.md 6.14).
     lazy_decode_pages: bool = True
-    # Timed batch-1 decode forwards at start, before any request (speed_probe.py): how fast this
-    # process runs the model, which the benches pair trials by; 0 skips it
-    speed_probe_reps: int = 8
     # With lazy pages: the fraction of the decode pages max_tokens allows that admission
     # reserves (SGLang's new_token_ratio). Replies mostly stop well short of max_tokens (PEER's
     # executors write ~130 of 240), and a full reserve made the third of three parallel

@@ -7,7 +7,6 @@ elasticity and the policies' ratio, tighten the interval, and keep the truth ins
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import statistics
@@ -20,30 +19,23 @@ from kvflow_agents.bench.runner import PolicyResult
 
 
 def simulate(effects: dict[str, float], *, trials: int = 16, beta: float = 0.9, process_sd: float = 0.08,
-             noise_sd: float = 0.005, policy_slowdown: dict | None = None, seed: int = 1,
-             probe: bool = False) -> list[PolicyResult]:
+             noise_sd: float = 0.005, policy_slowdown: dict | None = None, seed: int = 1) -> list[PolicyResult]:
     """Latency = effect x box load of the trial x (process speed)^beta x noise, the process's
-    decode-step time drawn per (policy, trial) as with fresh servers per trial. A policy's
-    ``policy_slowdown`` is its own doing: it slows its decode steps and with them its
-    latency. ``probe``: each server also reports its start-up probe, the process's speed alone
-    (timing noise 0.5 %), which the slowdown does not touch."""
-    rng, timing = random.Random(seed), random.Random(seed + 1)
+    decode-step time drawn per (policy, trial) as with fresh servers per trial."""
+    rng = random.Random(seed)
     slow = policy_slowdown or {}
-    per: dict[str, tuple[list, list, list]] = {p: ([], [], []) for p in effects}
+    per: dict[str, tuple[list, list]] = {p: ([], []) for p in effects}
     for t in range(trials):
         box = math.exp(rng.gauss(0, 0.1))
         for p, eff in effects.items():
-            proc = math.exp(rng.gauss(0, process_sd))
-            s = 0.012 * proc * slow.get(p, 1.0)
+            s = 0.012 * math.exp(rng.gauss(0, process_sd)) * slow.get(p, 1.0)
             lat = eff * box * (s / 0.012) ** beta * math.exp(rng.gauss(0, noise_sd))
             per[p][0].append([t, lat])
             per[p][1].append([t, s])
-            per[p][2].append([t, 0.003 * proc * math.exp(timing.gauss(0, 0.005))])
     return [PolicyResult(p, {"workflow_latency_trials_s": lat, "decode_step_trials_s": spd,
-                             **({"speed_probe_trials_s": prb} if probe else {}),
                              "workflow_latency_p50_s": median(v for _, v in lat),
                              "workflow_latency_mean_s": sum(v for _, v in lat) / len(lat)})
-            for p, (lat, spd, prb) in per.items()]
+            for p, (lat, spd) in per.items()]
 
 
 def test_the_adjustment_recovers_the_elasticity_and_the_ratio_with_a_tighter_interval():
@@ -127,8 +119,7 @@ def test_an_imprecise_fit_is_withheld_and_the_report_says_so():
     assert "  speed-adjusted" not in names
     doc = report.to_json({}, res, report.SAVING_TARGETS, figures=fig)
     assert doc["speed_adjusted"] is None
-    assert doc["speed_fit"] == {"beta": fit.beta, "se": fit.se, "trials": 4, "used": False,
-                                "covariate": speed.STEP}
+    assert doc["speed_fit"] == {"beta": fit.beta, "se": fit.se, "trials": 4, "used": False}
     good = report.to_json({}, simulate({"hicache": 1.2, "kvflow": 1.0, "oracle": 1.0}))
     assert good["speed_fit"]["used"] and good["speed_fit"]["se"] < 0.1
     assert good["speed_adjusted"]["beta_se"] == good["speed_fit"]["se"]
@@ -155,37 +146,3 @@ def test_decode_steps_unlike_the_oracles_beyond_luck_are_named_under_the_adjuste
     lines = [x for x in report.target_lines(slow, report.SAVING_TARGETS) if "caveat" in x]
     assert len(lines) == 1 and f"hicache's decode steps {ci['ratio']:.3f}x" in lines[0]
     assert all(len(x) <= 80 for x in report.target_lines(slow, report.SAVING_TARGETS) if x.startswith(" "))
-
-
-def test_a_start_up_probe_pairs_trials_without_crediting_a_policys_own_slowdown():
-    """With every server's start-up probe (the process's speed before any request) the fit is
-    on the probes: the trial-to-trial spread goes as with decode steps, but a policy that slows
-    its own steps (here hicache, 8 %: its recomputes and loads) keeps that in its latency,
-    where an adjustment by decode steps takes it for luck and moves the saving's share."""
-    eff = {"hicache": 1.25, "kvflow": 1.01, "oracle": 1.00}
-    truth_h = 1.25 * 1.08 ** 0.9                               # hicache's latency, slowdown included
-    want = (truth_h - 1.01) / (truth_h - 1.00)                 # kvflow's true share: 0.968
-    by_steps = simulate(eff, policy_slowdown={"hicache": 1.08})
-    by_probe = simulate(eff, policy_slowdown={"hicache": 1.08}, probe=True)
-    fit = speed.fit_elasticity(by_probe)
-    assert fit.covariate == speed.PROBE and fit.beta == pytest.approx(0.9, abs=0.1)
-    assert speed.fit_elasticity(by_steps).covariate == speed.STEP
-    on_probe = stats.saving_ratios(speed.adjusted(by_probe))["kvflow"]["hicache"]
-    on_steps = stats.saving_ratios(speed.adjusted(by_steps))["kvflow"]["hicache"]
-    # (the share is (h - k) / (h - o): kvflow's 1 % over the oracle, estimated to +-0.3 %, moves
-    # it by +-0.01)
-    assert on_probe["ratio_mean"] == pytest.approx(want, abs=0.015)
-    assert on_steps["ratio_mean"] < on_probe["ratio_mean"] - 0.02  # hicache credited: it moves
-    raw = speed.paired_ratio(by_probe, "hicache")
-    adj = speed.paired_ratio(speed.adjusted(by_probe), "hicache")
-    assert adj["lo"] <= truth_h <= adj["hi"] and adj["hi"] - adj["lo"] < 0.5 * (raw["hi"] - raw["lo"])
-    # the report: adjusted on the probes, no caveat about credited steps; the probe row shows
-    doc = report.to_json({}, by_probe, report.SAVING_TARGETS)
-    assert doc["speed_adjusted"]["covariate"] == speed.PROBE and doc["speed_fit"]["covariate"] == speed.PROBE
-    assert not any("caveat" in x for x in report.target_lines(by_probe, report.SAVING_TARGETS))
-    assert dict(report.rows(by_probe, wide=False))["speed probe (ms)"][0] != "-"
-    # servers kept across trials: one probe per policy, no spread within: decode steps it is
-    kept = [dataclasses.replace(r, workload={**r.workload, "speed_probe_trials_s":
-                                             [[t, 0.003] for t, _ in r.workload["speed_probe_trials_s"]]})
-            for r in by_probe]
-    assert speed.fit_elasticity(kept).covariate == speed.STEP

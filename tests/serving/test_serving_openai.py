@@ -216,7 +216,6 @@ def test_model_forward_time_is_reported_beside_the_steps(serve):
         assert eng["steps"] >= eng["decode_steps"]
         assert eng["prefill_forward_s"] > before["prefill_forward_s"]
         assert eng["decode_forward_s"] > before["decode_forward_s"]
-        assert eng["speed_probe_s"] == before["speed_probe_s"] > 0   # timed once, at start
         wait_until(lambda: srv.engine.stats()["counters"]["decode_steps"] == eng["decode_steps"])
         srv.engine.call(lambda e: e._publish(force=True))
         prom = {line.rsplit(" ", 1)[0]: float(line.split()[-1])
