@@ -29,12 +29,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                        "over a link of X GB/s (pages become usable at start + bytes/X; no CPU is "
                        "spent). Use it to demonstrate prefetch/overlap on CPU. Default: real copy speed."),
         lookahead: int = typer.Option(1, min=0, help="Prefetch agents whose steps-to-execution <= this."),
-        idle_lookahead: int = typer.Option(
-            2, min=0,
-            help="While the engine has nothing else to run, also prefetch agents whose "
-                 "steps-to-execution <= this (<= --lookahead: off). On a CPU the KV copies and "
-                 "their planning share the forwards' thread; an agent two steps away is then "
-                 "loaded between calls instead of inside one (bench/RESULTS.md 6.50)."),
         max_batch: int = typer.Option(16, min=1, help="Max concurrently running requests."),
         torch_threads: Optional[int] = typer.Option(
             None, min=1, help="torch intra-op threads (default: torch's, one per core). On a CPU "
@@ -221,7 +215,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         cfg = EngineConfig(model=model, model_path=model_path, device=device, policy=policy,
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
-                           idle_lookahead=idle_lookahead, torch_threads=torch_threads, partial_eviction=partial_eviction,
+                           torch_threads=torch_threads, partial_eviction=partial_eviction,
                            turn_gaps=turn_gaps, layerwise_load=layerwise_load,
                            recompute_aware=recompute_aware, copy_thread=copy_thread,
                            lazy_decode_pages=lazy_decode_pages, decode_reserve=decode_reserve,
@@ -261,7 +255,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    + (" (engine process)" if engine_process else ""))
         typer.echo(f"  KV pools: device {device_tokens} tokens, host "
                    f"{host_tokens if d['host_tier'] else 0} tokens, page {page_size}; "
-                   f"host link: {link}; KV copies {d['copy_mode']}; lookahead {lookahead} (idle {idle_lookahead}); "
+                   f"host link: {link}; KV copies {d['copy_mode']}; lookahead {lookahead}; "
                    f"max batch {max_batch}; event loop {loop}, HTTP {http}; "
                    f"admission {d['admission']}"
                    + (f" (status-aware, skip scope {d['skip_scope']})" if d["status_aware"] else "")

@@ -190,7 +190,7 @@ class Engine(EngineAPI, EngineLoop):
             lazy_decode=cfg.lazy_decode_pages,
             decode_reserve=cfg.decode_reserve,
             reuse_align=cfg.deterministic_chunk if cfg.deterministic else 1,
-            turn_gaps=cfg.turn_gaps, idle_lookahead=cfg.idle_lookahead,
+            turn_gaps=cfg.turn_gaps,
             # a recompute delays every running request's next step (loads.recompute_cost_s)
             recompute_stalls=lambda: len(self.scheduler.running))
         status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware
@@ -234,7 +234,6 @@ class Engine(EngineAPI, EngineLoop):
         self._snapshot: dict = {}
         self._outbox: dict = {}            # outlet -> [(key, event)] of this step (BatchedSink)
         self._published = 0.0
-        self._idle_since = None
         self.recorder = None
         if cfg.record_path:
             from .trace import TraceRecorder

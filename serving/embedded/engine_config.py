@@ -33,13 +33,6 @@ class EngineConfig:
     page_size: int = 16
     host_link_gbps: Optional[float] = None  # emulated host link (GB/s); None = real copy speed
     lookahead: int = 1                    # prefetch agents with STE <= lookahead
-    # while the engine has nothing else to run, also prefetch agents with STE <= this (None or
-    # <= lookahead: off). On a CPU the copies and their planning share the forwards' thread;
-    # an agent two steps away is then loaded between calls, not inside one (RESULTS.md 6.50)
-    idle_lookahead: Optional[int] = 2
-    # ... once it has had nothing to run for this long: a request that arrives sooner (with
-    # many workflows one often does) would otherwise wait for those copies
-    idle_prefetch_after_s: float = 0.001
     max_batch: int = 16
     # torch intra-op threads (process-wide; None: torch's default, one per core). On a CPU the
     # engine shares the cores with its HTTP front end and, in a benchmark, with the client:
@@ -123,10 +116,6 @@ class EngineConfig:
         r = self.decode_reserve
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
             raise ValueError(f"decode_reserve must be in (0, 1], got {r!r}")
-        if self.idle_lookahead is not None and self.idle_lookahead < 0:
-            raise ValueError("idle_lookahead must be >= 0 (or None: off)")
-        if not self.idle_prefetch_after_s >= 0:
-            raise ValueError("idle_prefetch_after_s must be >= 0")
         if self.max_batch < 1 or self.max_inflight_loads < 1:
             raise ValueError("max_batch and max_inflight_loads must be >= 1")
         if self.torch_threads is not None and self.torch_threads < 1:

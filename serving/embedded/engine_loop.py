@@ -124,7 +124,6 @@ class EngineLoop(ForwardSteps):
     _stop: threading.Event
     _lock: threading.Lock          # guards ``counters`` against the API threads' increments
     _outbox: dict                  # outlet -> [(key, event)] of this step (BatchedSink)
-    _idle_since: Optional[float]   # perf_counter when steps stopped finding work (None: busy)
     _snapshot: dict
     _published: float
     _fair_share: bool
@@ -142,10 +141,6 @@ class EngineLoop(ForwardSteps):
                     if self._stop.is_set():
                         break
                     progress = self._step()
-                    if progress:
-                        self._idle_since = None
-                    elif self.manager.prefetches_at_idle:
-                        progress = self._prefetch_while_idle()
                     failed_steps = 0
                 except Exception:  # noqa: BLE001 - the engine thread must survive anything
                     # Failures a request causes are attributed to it inside the step (see
@@ -184,30 +179,13 @@ class EngineLoop(ForwardSteps):
                 self._flush_outbox()  # e.g. an abort's final event
                 return
 
-    def _prefetch_while_idle(self) -> bool:
-        """Nothing ran this step: once the engine has had nothing to run for
-        ``idle_prefetch_after_s``, prefetch agents up to the idle lookahead (their copies and
-        planning then run between calls, not inside the next one). The wait keeps them from
-        delaying a request that arrives right after a step, as with many workflows one does."""
-        now = time.perf_counter()
-        if self._idle_since is None:
-            self._idle_since = now
-        if now - self._idle_since < self.config.idle_prefetch_after_s:
-            return False
-        return bool(self.manager.prefetch(self.pool.now(), idle=True))
-
     def _idle_timeout(self) -> float:
         """How long to sleep when nothing could run: until the next load lands, or a skipped
-        request's load is short enough for its own prefill to hide the rest, or the idle
-        prefetch's wait is over (or 0.5 s)."""
+        request's load is short enough for its own prefill to hide the rest (or 0.5 s)."""
         nxt = self.manager.next_event_at  # loads landing, tool-gap plans moving
         nxt = nxt() if callable(nxt) else nxt
         now = self.pool.now()
         t = 0.5
-        if self._idle_since is not None:  # wake once when the idle prefetch's wait is over
-            left = self._idle_since + self.config.idle_prefetch_after_s - time.perf_counter()
-            if left > 0:
-                t = min(t, left)
         if nxt is not None:  # demand loads and prefetches alike
             t = min(t, nxt - now)
         for req in self.scheduler.waiting:  # a skipped load its own prefill can now hide

@@ -87,8 +87,7 @@ class KVCacheManager:
                  recompute_stalls: Callable[[], int] | None = None,
                  min_partial_prefetch_pages: int = 4, admission: str | None = None,
                  admission_max_age_s: float = 600.0, lazy_decode: bool = False,
-                 decode_reserve: float = 1.0, reuse_align: int = 1, turn_gaps: bool = True,
-                 idle_lookahead: float | None = None) -> None:
+                 decode_reserve: float = 1.0, reuse_align: int = 1, turn_gaps: bool = True) -> None:
         self.policy = get_policy(policy)
         # a request reuses a cached prefix only in whole multiples of this many tokens (an
         # engine's batch-invariant mode: prefill chunks at fixed positions); sessions use it
@@ -115,11 +114,7 @@ class KVCacheManager:
                                  recompute_s_per_token=recompute_s_per_token,
                                  recompute_cost=recompute_cost,
                                  recompute_stalls=recompute_stalls)
-        # ``idle_lookahead`` (above ``lookahead``): agents up to that STE are prefetched too,
-        # but only by ``prefetch(idle=True)``, when the engine has nothing else to run
-        idle_far = idle_lookahead is not None and idle_lookahead > lookahead
-        self.tags = TagBook(page_size=page_size, parent_of=lambda n: n.parent,
-                            lookahead=idle_lookahead if idle_far else lookahead,
+        self.tags = TagBook(page_size=page_size, parent_of=lambda n: n.parent, lookahead=lookahead,
                             lease_s=lease_s, client_cap_pages=client_cap_pages,
                             infer_window=infer_window)
         self.store = TieredStore(self.policy, page_size=page_size, device_pages=device_pages,
@@ -131,8 +126,7 @@ class KVCacheManager:
                                      page_size=page_size, max_inflight=max_inflight_loads,
                                      default_step_s=default_step_s,
                                      reserve=self._session_reserve if reserve_pages is None else reserve_pages,
-                                     min_partial_pages=min_partial_prefetch_pages,
-                                     idle_above_ste=lookahead if idle_far else None)
+                                     min_partial_pages=min_partial_prefetch_pages)
         self._waiting: dict[int, RequestSession] = {}   # arrival order
         self._running: dict[int, RequestSession] = {}
         self.gaps = ToolGaps(self.tags, load_s=self._host_load_s, turn_gaps=turn_gaps)
@@ -275,15 +269,14 @@ class KVCacheManager:
         """Prefill speed: the recompute estimate when none is configured."""
         self.loads.observe_prefill(n_tokens, seconds)
 
-    def prefetch(self, now: float | None = None, *, idle: bool = False) -> list:
+    def prefetch(self, now: float | None = None) -> list:
         """Plan and start prefetches now (none under a policy that does not prefetch); returns
-        the tags whose prefetch started. ``idle``: the engine has nothing else to run, so
-        agents beyond ``lookahead`` up to ``idle_lookahead`` are prefetched too."""
+        the tags whose prefetch started."""
         now = self.backend.now() if now is None else now
         if not self.policy.prefetch:
             return []
         self.store.poll_loads(now)
-        return self.prefetcher.run(now, idle=idle)
+        return self.prefetcher.run(now)
 
     # ================================================================ hints and tags
     def update_hints(self, workflow: str, ste: dict, *, agent: str | None = None,
@@ -415,11 +408,6 @@ class KVCacheManager:
     @property
     def lookahead(self) -> float:
         return self.tags.lookahead
-
-    @property
-    def prefetches_at_idle(self) -> bool:
-        """Some prefetches wait for ``prefetch(idle=True)`` (an idle lookahead is set)."""
-        return self.policy.prefetch and self.prefetcher.idle_above_ste is not None
 
     @lookahead.setter
     def lookahead(self, value: float) -> None:

@@ -42,7 +42,6 @@ class CacheMetrics:
     prefetch_deferred: int = 0        # planned but not started (in-flight limit / no room)
     prefetch_budget_skips: int = 0    # not started: no room beyond the reserve (per attempt)
     prefetch_partial: int = 0         # of the issued: the head of a prefix that did not fit whole
-    prefetch_at_idle: int = 0         # of the issued: held back for an idle engine (idle lookahead)
     prefetch_recompute_skips: int = 0  # dropped by the planner: late, recompute cheaper (per plan)
     loads_declined: int = 0           # load_on_demand returned None: recompute cheaper than loading
     declined_pages: int = 0           # host pages of those declined loads (recomputed instead)

@@ -153,15 +153,8 @@ class Prefetcher:
 
     def __init__(self, book, loads, metrics, target: PrefetchTarget, *, page_size: int,
                  max_inflight: int = 4, default_step_s: float = 1.0,
-                 reserve: "int | Callable[[], int]" = 0, min_partial_pages: int = 4,
-                 idle_above_ste: float | None = None) -> None:
+                 reserve: "int | Callable[[], int]" = 0, min_partial_pages: int = 4) -> None:
         self.book, self.loads, self.metrics, self.target = book, loads, metrics, target
-        # an agent further than this many steps away (but within the book's lookahead) is
-        # prefetched only when the engine has nothing else to run (``run(idle=True)``), or once
-        # it comes this near (None: every near agent at once). Where the copies and their
-        # planning share the forwards' thread (a CPU engine), they then run between calls
-        # instead of inside one (RESULTS.md 6.50)
-        self.idle_above_ste = idle_above_ste
         # a prefetch that does not fit whole loads its head when at least this many pages fit
         # (0: off): a prefix of a prefix is valid KV, so part of the load is hidden
         self.min_partial_pages = min_partial_pages
@@ -223,19 +216,19 @@ class Prefetcher:
                                          hints.step_elapsed(wf, now), rec_s))
         return out
 
-    def _signature(self, idle: bool) -> tuple | None:
+    def _signature(self) -> tuple | None:
         t, book = self.target, self.book
         if t.state_ver is None:
             return None
         return (t.state_ver, len(book.near), len(book.host_tags), self.loads.inflight_prefetch,
-                t.free_pages(), t.evictable_pages(), book.lookahead, self._held_ver, idle)
+                t.free_pages(), t.evictable_pages(), book.lookahead, self._held_ver)
 
-    def _blocked_key(self, tags: list, idle: bool) -> tuple:
+    def _blocked_key(self, tags: list) -> tuple:
         book = self.book
         return (tags, book.host_shrinks, book.host_ste_changes, self.loads.inflight_prefetch,
-                book.lookahead, self._held_ver, idle)
+                book.lookahead, self._held_ver)
 
-    def _still_blocked(self, tags: list, idle: bool = False) -> bool:
+    def _still_blocked(self, tags: list) -> bool:
         """Since the last plan that started nothing, the candidates are the same tags (none
         held or released since), with the same STEs (``book.host_ste_changes``) and no shorter
         host paths (``book.host_shrinks``; a longer one only needs more), and the pool still
@@ -246,31 +239,26 @@ class Prefetcher:
         past; with 143 blocked candidates the walk cost ~0.6 ms a step at batch 32.) Counters
         per plan (budget skips, deferrals) count the plans made."""
         b = self._blocked
-        if b is None or b[0] != self._blocked_key(tags, idle):
+        if b is None or b[0] != self._blocked_key(tags):
             return False
         _, ste, need = b
         t = self.target
         room = t.free_pages() + t.evictable_above(ste)
         return room < need or room - self.reserved_pages < need
 
-    def run(self, now: float, *, idle: bool = False) -> list:
+    def run(self, now: float) -> list:
         """Plan and start prefetches; returns the tags started. Runs every tick (= every
         decode step): when nothing the plan depends on changed since a plan that started
         nothing, it would start nothing again (deadlines and the link's backlog shrink together
         as time passes), so the candidate walk is skipped; so it is while the pool stays too
         full for any of the same candidates (:meth:`_still_blocked`)."""
-        sig = self._signature(idle)
+        sig = self._signature()
         if sig is not None and sig == self._idle_plan:
             return []
         tags = self.book.prefetch_candidates()
-        if self._still_blocked(tags, idle):
+        if self._still_blocked(tags):
             return []
         cands = self.candidates(now, tags)
-        far = self.idle_above_ste
-        if far is not None and not idle:
-            cands = [c for c in cands if c.ste <= far]
-        elif far is not None:
-            far_tags = {c.tag for c in cands if c.ste > far}
         previously = self.pending
         if not cands and not previously:
             # nothing on host to fetch: nothing to do until the state changes (with one
@@ -333,17 +321,15 @@ class Prefetcher:
                 continue
             started.append(c.tag)
             loads.note_prefetch(ld)
-        if idle and far is not None:
-            metrics.prefetch_at_idle += sum(1 for t in started if t in far_tags)
         metrics.prefetch_deferred += len(pending - previously)
         self.pending = pending
-        self._idle_plan = None if started else self._signature(idle)
+        self._idle_plan = None if started else self._signature()
         self._blocked = None
         if not started and cands and target.evicts and target.state_ver is not None:
             need = min(c.pages for c in cands)   # the least room a start needs
             if target.partial_prefetch and self.min_partial_pages:
                 need = min(need, self.min_partial_pages)
-            self._blocked = (self._blocked_key(tags, idle), min(c.ste for c in cands), need)
+            self._blocked = (self._blocked_key(tags), min(c.ste for c in cands), need)
         return started
 
     def forget(self, tags: Iterable) -> None:

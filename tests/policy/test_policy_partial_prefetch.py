@@ -76,36 +76,3 @@ def test_room_goes_to_the_lower_ste_whatever_the_link_order():
     m.tick(m.clock.t)
     assert m.agent_residency("w", "a") == "device" and m.metrics.prefetch_wasted == 0
     m.check_invariants()
-
-
-def test_far_agents_are_prefetched_when_the_engine_idles():
-    """``idle_lookahead=2`` over ``lookahead=1``: an agent two steps from running is prefetched
-    only by ``prefetch(idle=True)`` (the engine has nothing else to run), or once it comes one
-    step near; an agent one step away starts at once, as without it."""
-    m = make_manager("kvflow", page_size=1, device_pages=40, host_pages=100, link=100.0,
-                     lookahead=1, idle_lookahead=2)
-    a, b = list(range(100, 108)), list(range(200, 208))
-    m.update_hints("w", {"a": 5, "b": 5}, plan=False)
-    to_host(m, a, "a")
-    to_host(m, b, "b")
-    m.update_hints("w", {"a": 1, "b": 2}, plan=False)
-    assert m.prefetch(m.clock.t) == [("w", "a")]           # one step away: at once
-    for _ in range(3):
-        assert m.prefetch(m.clock.t) == []                  # b (two steps) waits ...
-    assert m.agent_residency("w", "b") == "host"
-    assert m.prefetch(m.clock.t, idle=True) == [("w", "b")]  # ... for an idle engine
-    assert m.metrics.prefetch_at_idle == 1
-    m.check_invariants()
-
-
-def test_a_held_back_prefetch_starts_once_its_agent_comes_near():
-    m = make_manager("kvflow", page_size=1, device_pages=40, host_pages=100, link=100.0,
-                     lookahead=1, idle_lookahead=2)
-    b = list(range(200, 208))
-    m.update_hints("w", {"b": 5}, plan=False)
-    to_host(m, b, "b")
-    m.update_hints("w", {"b": 2}, plan=False)
-    assert m.prefetch(m.clock.t) == []
-    m.update_hints("w", {"b": 1}, plan=False)              # the next hint: b runs next
-    assert m.prefetch(m.clock.t) == [("w", "b")] and m.metrics.prefetch_at_idle == 0
-    m.check_invariants()

@@ -91,21 +91,6 @@ def test_serve_copy_thread_flag_reaches_the_pool(monkeypatch, flags, threaded):
     assert f"KV copies {'copy thread' if threaded else 'inline'};" in r.output  # the startup summary says which
 
 
-@pytest.mark.parametrize("flags, near, idle", [([], 1, True), (["--idle-lookahead", "1"], 1, False),
-                                              (["--lookahead", "2", "--idle-lookahead", "3"], 2, True)])
-def test_serve_idle_lookahead_flag_reaches_the_prefetcher(monkeypatch, flags, near, idle):
-    """By default an idle engine also prefetches agents two steps away (``--idle-lookahead``
-    2 over ``--lookahead`` 1); at or below ``--lookahead`` it is off; the startup summary
-    says both."""
-    r, eng, _ = serve_without_uvicorn(monkeypatch, flags)
-    assert r.exit_code == 0, r.output
-    assert eng.manager.prefetches_at_idle is idle
-    assert eng.manager.prefetcher.idle_above_ste == (near if idle else None)
-    la = flags[flags.index("--lookahead") + 1] if "--lookahead" in flags else "1"
-    il = flags[flags.index("--idle-lookahead") + 1] if "--idle-lookahead" in flags else "2"
-    assert f"lookahead {la} (idle {il});" in r.output
-
-
 @pytest.mark.parametrize("flags, installed, want", [
     ([], True, "uvloop"), ([], False, "asyncio"), (["--loop", "asyncio"], True, "asyncio"),
     (["--loop", "uvloop"], True, "uvloop"), (["--loop", "uvloop"], False, None),

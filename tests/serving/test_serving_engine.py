@@ -55,10 +55,6 @@ def test_engine_sets_torch_threads_when_asked(tiny_model):
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="torch_threads"):
         EngineConfig(torch_threads=0).validate()
-    with pytest.raises(ValueError, match="idle_lookahead"):
-        EngineConfig(idle_lookahead=-1).validate()
-    with pytest.raises(ValueError, match="idle_prefetch_after_s"):
-        EngineConfig(idle_prefetch_after_s=float("nan")).validate()
 
 
 def test_prefetched_kv_from_the_copy_thread_gives_the_oracles_tokens(tiny_model, monkeypatch):
@@ -538,41 +534,3 @@ def test_a_loading_prefix_is_read_layer_by_layer_by_its_own_prefill(tiny_model, 
     assert 1 <= len(slept) <= n_layers                  # one wait at most per layer
     assert counters["layerwise_wait_s"] > 0 and c0["layerwise_wait_s"] == 0
     assert hidden > 0 and hidden0 == 0
-
-
-def test_an_idle_engine_prefetches_the_agent_after_next_and_gives_the_oracles_tokens(tiny_model):
-    """The default idle lookahead (2, over ``lookahead`` 1): calls one at a time on the 4-agent
-    cycle with a pause between them, in a pool that holds ~3 of the 4 prompts. The agent two
-    steps away is loaded while the engine has nothing to run, so no prefetch starts inside a
-    call; every call finds its prefix on device (none loaded on demand, no load waited for)
-    and writes the oracle's greedy tokens. With the idle lookahead off (1) the same prefetches
-    start inside the calls."""
-    import time
-
-    outs, stats = {}, {}
-    for label, policy, idle in (("idle", "kvflow", 2), ("inside", "kvflow", 1),
-                                ("oracle", "oracle", 2)):
-        with Engine(loaded=tiny_model, model="tiny-random", policy=policy, device_tokens=576,
-                    host_tokens=4096, host_link_gbps=0.5, deterministic=True,
-                    deterministic_chunk=64, idle_lookahead=idle) as eng:
-            got = []
-            for step in range(12):
-                a = AGENTS[step % len(AGENTS)]
-                h = Hints(workflow="w", agent=a, step=step, ste=cycle_ste(a), fixed_messages=1)
-                msgs = [{"role": "system", "content": system_prompt(a)},
-                        {"role": "user", "content": f"call {step}"}]
-                got.append(eng.chat(msgs, hints=h, max_tokens=6, temperature=0,
-                                    ignore_eos=True).token_ids)
-                time.sleep(0.05)  # the client's turn: the engine idles
-            m = eng.call(lambda e: e.manager.metrics)
-            stats[label] = (m.prefetch_issued, m.prefetch_at_idle, m.prefetch_used,
-                            m.demand_loads, m.load_exposed_s)
-            steps = eng.call(lambda e: e.counters["steps"])
-            time.sleep(0.3)  # idle: the engine wakes for the idle prefetch once, it does not poll
-            assert eng.call(lambda e: e.counters["steps"]) - steps < 10
-        outs[label] = got
-    issued, at_idle, used, demand, exposed = stats["idle"]
-    assert issued >= 6 and at_idle == issued and used >= 6, stats
-    assert demand == 0 and exposed == 0, stats
-    assert stats["inside"][0] >= 6 and stats["inside"][1] == 0, stats
-    assert outs["idle"] == outs["oracle"] == outs["inside"]
