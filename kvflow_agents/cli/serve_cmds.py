@@ -29,11 +29,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                        "over a link of X GB/s (pages become usable at start + bytes/X; no CPU is "
                        "spent). Use it to demonstrate prefetch/overlap on CPU. Default: real copy speed."),
         lookahead: int = typer.Option(1, min=0, help="Prefetch agents whose steps-to-execution <= this."),
-        idle_poll_ms: float = typer.Option(
-            0.0, min=0.0,
-            help="With nothing to run, the engine looks for new work every this many ms for "
-                 "0.1 s after its last step that found any, instead of sleeping until woken "
-                 "(0: sleep; bench/RESULTS.md 6.50)."),
         max_batch: int = typer.Option(16, min=1, help="Max concurrently running requests."),
         torch_threads: Optional[int] = typer.Option(
             None, min=1, help="torch intra-op threads (default: torch's, one per core). On a CPU "
@@ -220,7 +215,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         cfg = EngineConfig(model=model, model_path=model_path, device=device, policy=policy,
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
-                           idle_poll_s=idle_poll_ms / 1000, torch_threads=torch_threads, partial_eviction=partial_eviction,
+                           torch_threads=torch_threads, partial_eviction=partial_eviction,
                            turn_gaps=turn_gaps, layerwise_load=layerwise_load,
                            recompute_aware=recompute_aware, copy_thread=copy_thread,
                            lazy_decode_pages=lazy_decode_pages, decode_reserve=decode_reserve,

@@ -234,7 +234,6 @@ class Engine(EngineAPI, EngineLoop):
         self._snapshot: dict = {}
         self._outbox: dict = {}            # outlet -> [(key, event)] of this step (BatchedSink)
         self._published = 0.0
-        self._worked_at = 0.0
         self.recorder = None
         if cfg.record_path:
             from .trace import TraceRecorder

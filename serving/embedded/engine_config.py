@@ -33,10 +33,6 @@ class EngineConfig:
     page_size: int = 16
     host_link_gbps: Optional[float] = None  # emulated host link (GB/s); None = real copy speed
     lookahead: int = 1                    # prefetch agents with STE <= lookahead
-    # with nothing to run, wait at most this long at a time for new work (0: until woken, or
-    # the next load lands), for ``idle_poll_window_s`` after the last step that found work
-    idle_poll_s: float = 0.0
-    idle_poll_window_s: float = 0.1
     max_batch: int = 16
     # torch intra-op threads (process-wide; None: torch's default, one per core). On a CPU the
     # engine shares the cores with its HTTP front end and, in a benchmark, with the client:
@@ -120,8 +116,6 @@ class EngineConfig:
         r = self.decode_reserve
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
             raise ValueError(f"decode_reserve must be in (0, 1], got {r!r}")
-        if not (self.idle_poll_s >= 0 and self.idle_poll_window_s >= 0):
-            raise ValueError("idle_poll_s and idle_poll_window_s must be >= 0")
         if self.max_batch < 1 or self.max_inflight_loads < 1:
             raise ValueError("max_batch and max_inflight_loads must be >= 1")
         if self.torch_threads is not None and self.torch_threads < 1:

@@ -124,7 +124,6 @@ class EngineLoop(ForwardSteps):
     _stop: threading.Event
     _lock: threading.Lock          # guards ``counters`` against the API threads' increments
     _outbox: dict                  # outlet -> [(key, event)] of this step (BatchedSink)
-    _worked_at: float              # perf_counter of the last step that found work
     _snapshot: dict
     _published: float
     _fair_share: bool
@@ -142,8 +141,6 @@ class EngineLoop(ForwardSteps):
                     if self._stop.is_set():
                         break
                     progress = self._step()
-                    if progress:
-                        self._worked_at = time.perf_counter()
                     failed_steps = 0
                 except Exception:  # noqa: BLE001 - the engine thread must survive anything
                     # Failures a request causes are attributed to it inside the step (see
@@ -189,9 +186,6 @@ class EngineLoop(ForwardSteps):
         nxt = nxt() if callable(nxt) else nxt
         now = self.pool.now()
         t = 0.5
-        poll = self.config.idle_poll_s
-        if poll > 0 and time.perf_counter() - self._worked_at < self.config.idle_poll_window_s:
-            t = min(t, poll)  # just busy: look again soon (EngineConfig.idle_poll_s)
         if nxt is not None:  # demand loads and prefetches alike
             t = min(t, nxt - now)
         for req in self.scheduler.waiting:  # a skipped load its own prefill can now hide
