@@ -30,6 +30,8 @@ every row (per-tier match split, tokens, mean-based ratios). ``--json`` has all 
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -378,8 +380,20 @@ def pool_bound_rows(results: Sequence[PolicyResult]) -> list[tuple[str, list[str
                      if r.policy != "hicache" else None, "f2") for r in results])]
 
 
+_RANGE = re.compile(r"(-?[0-9][0-9.]*)-(-?[0-9][0-9.]*)")
+
+
+def _break_range(v: str) -> str:
+    """``lo-hi`` on two lines, broken after its hyphen (other cells as they are)."""
+    m = _RANGE.fullmatch(v)
+    return f"{m.group(1)}-\n{m.group(2)}" if m else v
+
+
 def render_table(results: Sequence[PolicyResult], title: str, wide: bool = False, *,
-                 figures: Optional[Figures] = None):
+                 figures: Optional[Figures] = None, width: Optional[int] = None):
+    """``width``: the terminal's columns. Where the cells do not fit it side by side, every
+    ``lo-hi`` range goes on two lines, broken after its hyphen: left to the table, rich folds
+    a word that does not fit at any character, and "0.88-1.02" read "0.88-1.0" over "2"."""
     from rich import box
     from rich.table import Table
 
@@ -387,8 +401,17 @@ def render_table(results: Sequence[PolicyResult], title: str, wide: bool = False
     t.add_column("metric", no_wrap=not wide, overflow="fold")
     for r in results:
         t.add_column(r.policy, justify="right", overflow="fold")
-    for name, vals in rows(results, wide=wide, figures=figures):
-        t.add_row(name, *vals)
+    body = rows(results, wide=wide, figures=figures)
+    cramped = False
+    if width and results and body:
+        cols = zip(*(vals for _, vals in body))
+        # SIMPLE_HEAD's edges and separators are one blank each, and a cell is padded by one
+        # on each side but at the table's edges (pad_edge=False): 3 per policy column, 2 more
+        need = (max(len("metric"), *(len(name) for name, _ in body)) + 3 * len(results) + 2
+                + sum(max(len(r.policy), *(len(v) for v in col)) for r, col in zip(results, cols)))
+        cramped = need > width
+    for name, vals in body:
+        t.add_row(name, *([_break_range(v) for v in vals] if cramped else vals))
     return t
 
 
@@ -442,7 +465,7 @@ def print_report(console, results: Sequence[PolicyResult], *, title: str,
                  targets: Sequence[Target] = (), wide: bool = False,
                  figures: Optional[Figures] = None) -> None:
     fig = figures if figures is not None else Figures(results)
-    console.print(render_table(results, title, wide=wide, figures=fig))
+    console.print(render_table(results, title, wide=wide, figures=fig, width=console.width))
     oracle = ratios(results).get("oracle", {})
     bound = oracle.get("speedup_vs_lru")
     if bound:

@@ -112,6 +112,33 @@ def test_bench_show_reports_a_saved_result_again(tmp_path):
     assert res.exit_code == 2 and "not a kvflow bench result" in res.output
 
 
+def test_ranges_in_an_80_column_table_break_between_their_numbers():
+    """A five-column run shown in an 80-column terminal: a ``lo-hi`` range that does not fit
+    its column goes on two lines after its hyphen (rich alone folded it inside a number:
+    "0.88-1.0" over "2"); every number of every range is printed whole."""
+    import re
+    from pathlib import Path
+
+    doc = json.loads((Path(report.__file__).parent / "results" / "wf_1_idle_12t.json").read_text())
+    _, results, _ = report.from_json(doc)
+    assert len(results) == 5
+    ranges = [m for _, vals in report.rows(results, wide=False, figures=report.Figures(results))
+              for v in vals if (m := re.fullmatch(r"(-?[0-9][0-9.]*)-(-?[0-9][0-9.]*)", v))]
+    assert len(ranges) >= 10
+    path = Path(report.__file__).parent / "results" / "wf_1_idle_12t.json"
+    res = CliRunner().invoke(app, ["bench", "show", str(path)], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    # every number printed (a hyphen right after a digit separates a range's two)
+    numbers = set(re.findall(r"-?[0-9][0-9.]*[0-9]", re.sub(r"(?<=[0-9])-", " ", res.output)))
+    for m in ranges:
+        assert m.group(1) in numbers and m.group(2) in numbers, m.group(0)
+    assert report._break_range("0.88-1.02") == "0.88-\n1.02"
+    assert report._break_range("-0.19-1.50") == "-0.19-\n1.50"
+    assert report._break_range("480 (0)") == "480 (0)"
+
+
 def test_achievable_saving_pairs_trials_and_reports_the_spread():
     rs = [_trial_result("lru", [2.0, 2.2, 3.0]), _trial_result("hicache", [1.5, 1.6, 1.5]),
           _trial_result("kvflow", [1.05, 1.1, 1.2]), _trial_result("oracle", [1.0, 1.0, 1.0])]
