@@ -30,10 +30,9 @@ every row (per-tier match split, tokens, mean-based ratios). ``--json`` has all 
 
 from __future__ import annotations
 
-import re
-
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from statistics import mean
