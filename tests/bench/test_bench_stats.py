@@ -119,13 +119,12 @@ def test_ranges_in_an_80_column_table_break_between_their_numbers():
     import re
     from pathlib import Path
 
-    doc = json.loads((Path(report.__file__).parent / "results" / "wf_1_idle_12t.json").read_text())
-    _, results, _ = report.from_json(doc)
+    path = Path(report.__file__).parent / "results" / "wf_1_idle_12t.json"
+    _, results, _ = report.from_json(json.loads(path.read_text()))
     assert len(results) == 5
     ranges = [m for _, vals in report.rows(results, wide=False, figures=report.Figures(results))
-              for v in vals if (m := re.fullmatch(r"(-?[0-9][0-9.]*)-(-?[0-9][0-9.]*)", v))]
+              for v in vals if (m := report._RANGE.fullmatch(v))]
     assert len(ranges) >= 10
-    path = Path(report.__file__).parent / "results" / "wf_1_idle_12t.json"
     res = CliRunner().invoke(app, ["bench", "show", str(path)], env={"COLUMNS": "80"})
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
