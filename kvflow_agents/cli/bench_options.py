@@ -293,7 +293,7 @@ def _size_servers(spec, counter, *, model: str, pols, device_tokens: Optional[in
             link = cal.prefix_tokens * cal.kv_bytes_per_token / (regime.recompute_fit_s * load_fraction) / 1e9
             meta["calibration"]["link_gbps_served"] = link
             console.print(f"paper regime: link from the served recompute "
-                          f"({regime.recompute_fit_s * 1e3:.0f} ms, fit over every probe): "
+                          f"({regime.recompute_fit_s * 1e3:.0f} ms, fit over the probes near that length): "
                           f"--host-link-gbps {link:.4g}")
     console.print(f"device pool {dev} tokens = {dev / fixed_total:.0%} of the {fixed_total} "
                   f"fixed-prompt tokens; host pool {host} tokens; host link "

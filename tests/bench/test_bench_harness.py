@@ -270,6 +270,45 @@ def test_paper_regime_target_and_fit():
     assert r.exit_code == 2 and "paper" in r.output
 
 
+# probes of `kvflow bench workflow --preset paper` on a box whose recompute jumps between 1,024
+# and 2,048 tokens and is flat to 2,368 (results/wf_paper_s37.json): [n, recompute, call, ratio]
+_KINKED_PROBES = [[1024, 0.0419, 0.0485, 0.864], [2048, 0.1201, 0.0581, 2.067],
+                  [4096, 0.4441, 0.0801, 5.545], [2240, 0.1245, 0.0602, 2.067],
+                  [2304, 0.1290, 0.0616, 2.093], [2368, 0.1306, 0.0631, 2.071],
+                  [2304, 0.1243, 0.0603, 2.060]]
+
+
+def test_paper_regime_solves_between_the_probes_that_bracket_the_target():
+    """Where measured probes bracket the target ratio the next length is interpolated between
+    them (each probe narrows the bracket), not taken from the fit through every probe, which
+    on these probes read 2.37 at 2,304 tokens where three probes measured 2.06-2.09; the link
+    is set from the probes near the chosen length, not from that fit (145 ms where 124-129 ms
+    were measured)."""
+    from kvflow_agents.bench.calibrate import _fit, _fit_near, _next_length
+
+    target = 2.364
+    n, capped = _next_length(_KINKED_PROBES, target, 8192)
+    assert not capped and 2368 < n < 4096 and n % 64 == 0
+    # the fit through every probe puts the target at 2,304, inside the measured flat part
+    assert _fit(_KINKED_PROBES)[0](2304) / _fit(_KINKED_PROBES)[1](2304) == pytest.approx(2.37, abs=0.02)
+    # only the first three probes: the bracket is 2,048-4,096
+    n3, _ = _next_length(_KINKED_PROBES[:3], target, 8192)
+    assert 2048 < n3 < 4096
+    # nothing brackets it: solved on the fit, capped where even max_fixed falls short
+    n2, capped2 = _next_length(_KINKED_PROBES[:2], target, 8192)
+    assert n2 > 2048 and not capped2
+    assert _next_length(_KINKED_PROBES[:2], 50.0, 4096) == (4096, True)
+    rec, call = _fit_near(_KINKED_PROBES, 2304)
+    assert 0.1243 <= rec(2304) <= 0.1306 and 0.0602 <= call(2304) <= 0.0631
+    assert _fit(_KINKED_PROBES)[0](2304) > 0.14
+    # a power law is recovered exactly; a single nearby length falls back to the global fit
+    law = [[m, 1e-6 * m ** 1.5, 0.05 * (m / 1024) ** 0.2, 0] for m in (1024, 1280, 1536)]
+    r, c = _fit_near(law, 1280)
+    assert r(1400) == pytest.approx(1e-6 * 1400 ** 1.5, rel=1e-9)
+    assert c(1400) == pytest.approx(0.05 * (1400 / 1024) ** 0.2, rel=1e-9)
+    assert _fit_near(law[:1] + [[8192, 0.5, 0.1, 0]], 1024)[0](1024) == _fit(law[:1] + [[8192, 0.5, 0.1, 0]])[0](1024)
+
+
 def test_paper_regime_probes_a_served_engine():
     """``--preset paper`` measures recompute and call on a real ``kvflow serve`` (it once sent
     the model name "default", which the server rightly refuses: the preset failed at once)."""
