@@ -388,18 +388,22 @@ def _break_range(v: str) -> str:
     return f"{m.group(1)}-\n{m.group(2)}" if m else v
 
 
+def _break_label(label: str) -> str:
+    """A column label on one line per hyphenated part (``hicache-always``: ``hicache-`` over
+    ``always``), as :func:`_break_range` does for a range."""
+    return label.replace("-", "-\n")
+
+
 def render_table(results: Sequence[PolicyResult], title: str, wide: bool = False, *,
                  figures: Optional[Figures] = None, width: Optional[int] = None):
     """``width``: the terminal's columns. Where the cells do not fit it side by side, every
-    ``lo-hi`` range goes on two lines, broken after its hyphen: left to the table, rich folds
-    a word that does not fit at any character, and "0.88-1.02" read "0.88-1.0" over "2"."""
+    ``lo-hi`` range goes on two lines, broken after its hyphen, and so does a hyphenated
+    column label (a ``--policy-variant``'s): left to the table, rich folds a word that does
+    not fit at any character, and "0.88-1.02" read "0.88-1.0" over "2", "hicache-always"
+    "hicache-alway" over "s"."""
     from rich import box
     from rich.table import Table
 
-    t = Table(title=title, show_lines=False, box=box.SIMPLE_HEAD, pad_edge=False)
-    t.add_column("metric", no_wrap=not wide, overflow="fold")
-    for r in results:
-        t.add_column(r.policy, justify="right", overflow="fold")
     body = rows(results, wide=wide, figures=figures)
     cramped = False
     if width and results and body:
@@ -409,6 +413,11 @@ def render_table(results: Sequence[PolicyResult], title: str, wide: bool = False
         need = (max(len("metric"), *(len(name) for name, _ in body)) + 3 * len(results) + 2
                 + sum(max(len(r.policy), *(len(v) for v in col)) for r, col in zip(results, cols)))
         cramped = need > width
+    t = Table(title=title, show_lines=False, box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("metric", no_wrap=not wide, overflow="fold")
+    for r in results:
+        t.add_column(_break_label(r.policy) if cramped else r.policy, justify="right",
+                     overflow="fold")
     for name, vals in body:
         t.add_row(name, *([_break_range(v) for v in vals] if cramped else vals))
     return t

@@ -138,6 +138,26 @@ def test_ranges_in_an_80_column_table_break_between_their_numbers():
     assert report._break_range("480 (0)") == "480 (0)"
 
 
+def test_a_variant_label_in_an_80_column_table_breaks_after_its_hyphen():
+    """A ``--policy-variant`` column (``hicache-always``) in an 80-column terminal: its label
+    goes on two lines after its hyphen, each part whole (rich alone folded it inside the
+    word: "hicache-alway" over "s"); a table that fits keeps every label on one line."""
+    from pathlib import Path
+
+    path = Path(report.__file__).parent / "results" / "wf_32_s37_3t.json"
+    _, results, _ = report.from_json(json.loads(path.read_text()))
+    assert "hicache-always" in [r.policy for r in results]
+    res = CliRunner().invoke(app, ["bench", "show", str(path)], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    words = [w for line in lines for w in line.split()]
+    assert "hicache-" in words and "always" in words and "hicache-alway" not in words
+    wide = CliRunner().invoke(app, ["bench", "show", str(path)], env={"COLUMNS": "200"})
+    assert wide.exit_code == 0 and "hicache-always" in wide.output.split()
+    assert report._break_label("kvflow-la2") == "kvflow-\nla2" and report._break_label("lru") == "lru"
+
+
 def test_achievable_saving_pairs_trials_and_reports_the_spread():
     rs = [_trial_result("lru", [2.0, 2.2, 3.0]), _trial_result("hicache", [1.5, 1.6, 1.5]),
           _trial_result("kvflow", [1.05, 1.1, 1.2]), _trial_result("oracle", [1.0, 1.0, 1.0])]
