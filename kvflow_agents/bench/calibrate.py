@@ -169,7 +169,7 @@ def _next_length(rows: list, target_ratio: float, max_fixed: int) -> tuple[int, 
     pts = _measured_ratios(rows)
     for (a, ra), (b, rb) in zip(pts, pts[1:]):
         if ra < target_ratio <= rb and ra > 0:
-            x = math.log(a) + (math.log(b) - math.log(a)) * math.log(target_ratio / ra) / math.log(rb / ra)
+            x = math.log(a) + math.log(b / a) * math.log(target_ratio / ra) / math.log(rb / ra)
             return int(min(max_fixed, max(64, round(math.exp(x) / 64) * 64))), False
     ratio = _fit_ratio(rows)
     if ratio(max_fixed) < target_ratio:
@@ -181,7 +181,8 @@ def _next_length(rows: list, target_ratio: float, max_fixed: int) -> tuple[int, 
     return int(min(max_fixed, max(64, round(hi / 64) * 64))), False
 
 
-def _fit_near(rows: list, n: int, span: float = 1.3) -> tuple[Callable[[float], float], Callable[[float], float]]:
+def _fit_near(rows: list, n: int, span: float = 1.3
+              ) -> tuple[Callable[[float], float], Callable[[float], float]]:
     """Recompute and call around length ``n``: each a power of the length, fit by least
     squares on the probes within a factor ``span`` of ``n`` where they cover two lengths or
     more (smooths a probe's noise, follows the box's local curve); else :func:`_fit`."""
