@@ -29,6 +29,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                        "over a link of X GB/s (pages become usable at start + bytes/X; no CPU is "
                        "spent). Use it to demonstrate prefetch/overlap on CPU. Default: real copy speed."),
         lookahead: int = typer.Option(1, min=0, help="Prefetch agents whose steps-to-execution <= this."),
+        busy_lookahead: Optional[int] = typer.Option(
+            None, min=0, help="With --lookahead above it: prefetch agents further ahead than this "
+                              "only while the host link would otherwise be idle (one load at a "
+                              "time), so they never queue in front of nearer agents' loads."),
         max_batch: int = typer.Option(16, min=1, help="Max concurrently running requests."),
         torch_threads: Optional[int] = typer.Option(
             None, min=1, help="torch intra-op threads (default: torch's, one per core). On a CPU "
@@ -215,6 +219,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         cfg = EngineConfig(model=model, model_path=model_path, device=device, policy=policy,
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
+                           busy_lookahead=busy_lookahead,
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
                            turn_gaps=turn_gaps, layerwise_load=layerwise_load,
                            recompute_aware=recompute_aware, copy_thread=copy_thread,

@@ -103,6 +103,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         link_gbps: Optional[float] = typer.Option(None, help="Override the profile's host link (GB/s)."),
         page_size: int = typer.Option(64, min=1, help="Tokens per KV page."),
         lookahead: int = typer.Option(1, min=0, help="Prefetch lookahead (STE)."),
+        busy_lookahead: Optional[int] = typer.Option(
+            None, min=0, help="Below --lookahead: agents further ahead load only on an idle link."),
         layerwise: bool = typer.Option(True, help="Layer-wise overlap of on-demand loads (HiCache)."),
         admission: Optional[str] = typer.Option(
             None, help="Admission order for every policy: fcfs | workflow (oldest workflow first). "
@@ -122,6 +124,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
 
         pols = _policies(policies)
         prof = _profile(profile, link_gbps)
+        if busy_lookahead is not None and busy_lookahead >= lookahead:
+            raise typer.BadParameter(f"must be below --lookahead ({lookahead})",
+                                     param_hint="--busy-lookahead")
         from kvflow_agents.serving.policy.admission import ADMISSION_ORDERS
 
         if admission is not None and admission not in ADMISSION_ORDERS:
@@ -146,7 +151,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise typer.BadParameter(str(e)) from None
         console = Console(stderr=json_out == "-")
         res = _run_policies(prof, wl, pols, console, progress and json_out != "-", lookahead=lookahead,
-                            layerwise=layerwise, admission=admission)
+                            layerwise=layerwise, admission=admission, busy_lookahead=busy_lookahead)
         title = f"kvflow sim run: {wl.name} on {prof.name} (link {prof.link_gbps} GB/s)"
         _report_run(console, res, wl, prof, title, json_out, plot_out)
 

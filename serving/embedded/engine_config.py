@@ -33,6 +33,9 @@ class EngineConfig:
     page_size: int = 16
     host_link_gbps: Optional[float] = None  # emulated host link (GB/s); None = real copy speed
     lookahead: int = 1                    # prefetch agents with STE <= lookahead
+    # ... and those beyond this STE only while the link would otherwise be idle (None: no
+    # such band; serving/policy/prefetch.py)
+    busy_lookahead: Optional[int] = None
     max_batch: int = 16
     # torch intra-op threads (process-wide; None: torch's default, one per core). On a CPU the
     # engine shares the cores with its HTTP front end and, in a benchmark, with the client:
@@ -118,6 +121,10 @@ class EngineConfig:
             raise ValueError(f"decode_reserve must be in (0, 1], got {r!r}")
         if self.max_batch < 1 or self.max_inflight_loads < 1:
             raise ValueError("max_batch and max_inflight_loads must be >= 1")
+        b = self.busy_lookahead
+        if b is not None and not 0 <= b < self.lookahead:
+            raise ValueError(f"busy_lookahead must be >= 0 and below lookahead ({self.lookahead}), "
+                             f"got {b!r}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1 (or None: torch's default)")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

@@ -21,6 +21,14 @@ recomputing its host-only pages). A load that cannot finish before its agent run
 from the plan (listed in ``last_skipped``) when the agent would still wait longer for it than
 recomputing takes (``finish - deadline > recompute_s``). Without ``recompute_s``: always loaded.
 
+Agents further ahead only on an idle link (``busy_lookahead``): with ``lookahead`` 2 and
+``busy_lookahead`` 1, an agent two steps away is planned only when the link would otherwise sit
+idle (nothing in flight, no nearer load planned), one such load at a time. The link is FIFO and
+a load cannot be overtaken once started, so prefetching two steps ahead unconditionally puts
+loads for later agents in front of the next agents' loads whenever several workflows move at
+once; filling only idle link time takes load off the busy periods without ever delaying a
+nearer agent by more than the one load already on the link (RESULTS.md §6.52).
+
 """
 
 from __future__ import annotations
@@ -54,21 +62,31 @@ class PlannedLoad:
 
 
 class PrefetchPlanner:
-    def __init__(self, *, lookahead: float = 1, secs_per_page: float = 0.0) -> None:
+    def __init__(self, *, lookahead: float = 1, secs_per_page: float = 0.0,
+                 busy_lookahead: float | None = None) -> None:
         self.lookahead = lookahead
+        # STEs above this (and <= lookahead) load only on an idle link; None: no such band
+        self.busy_lookahead = busy_lookahead
         self.secs_per_page = secs_per_page  # 0 = unknown: every load counts as instant
         self.last_skipped: list[PlannedLoad] = []  # dropped by the last plan(): recompute cheaper
 
     def eligible(self, ste: float) -> bool:
         return ste <= self.lookahead
 
+    def idle_only(self, ste: float) -> bool:
+        """An agent this far ahead loads only while the link would otherwise be idle."""
+        band = self.busy_lookahead
+        return band is not None and ste > band
+
     def plan(self, candidates: Iterable[PrefetchCandidate], *, link_busy_s: float = 0.0
              ) -> list[PlannedLoad]:
         """Order candidates by urgency; loads that cannot finish in time go last (or are
-        dropped when recomputing is cheaper than waiting for them; see the module doc)."""
+        dropped when recomputing is cheaper than waiting for them), and the most urgent agent
+        beyond ``busy_lookahead`` last of all, only when nothing else keeps the link busy
+        (module doc)."""
         spp = self.secs_per_page
         self.last_skipped = skipped = []
-        items = []
+        items, idle_only = [], []
         for c in candidates:
             if c.pages <= 0 or not self.eligible(c.ste):
                 continue
@@ -80,7 +98,8 @@ class PrefetchPlanner:
                 urgency = INF
             else:
                 urgency = transfer / deadline
-            items.append(PlannedLoad(c, transfer, deadline, urgency, True))
+            (idle_only if self.idle_only(c.ste) else items).append(
+                PlannedLoad(c, transfer, deadline, urgency, True))
         items.sort(key=lambda p: (-p.urgency, p.candidate.ste, p.candidate.pages))
         on_time, late = [], []
         t = link_busy_s
@@ -101,6 +120,11 @@ class PrefetchPlanner:
                 continue
             t += p.transfer_s
             p.finish_s = t
+            kept_late.append(p)
+        if idle_only and t <= 0:
+            p = min(idle_only, key=lambda p: (-p.urgency, p.candidate.ste, p.candidate.pages))
+            p.finish_s = p.transfer_s
+            p.on_time = p.finish_s <= p.deadline_s
             kept_late.append(p)
         return on_time + kept_late
 
@@ -153,7 +177,8 @@ class Prefetcher:
 
     def __init__(self, book, loads, metrics, target: PrefetchTarget, *, page_size: int,
                  max_inflight: int = 4, default_step_s: float = 1.0,
-                 reserve: "int | Callable[[], int]" = 0, min_partial_pages: int = 4) -> None:
+                 reserve: "int | Callable[[], int]" = 0, min_partial_pages: int = 4,
+                 busy_lookahead: float | None = None) -> None:
         self.book, self.loads, self.metrics, self.target = book, loads, metrics, target
         # a prefetch that does not fit whole loads its head when at least this many pages fit
         # (0: off): a prefix of a prefix is valid KV, so part of the load is hidden
@@ -163,7 +188,8 @@ class Prefetcher:
         self.max_inflight = max_inflight
         self.default_step_s = default_step_s
         self.reserve = reserve
-        self.planner = PrefetchPlanner(lookahead=book.lookahead, secs_per_page=loads.secs_per_page)
+        self.planner = PrefetchPlanner(lookahead=book.lookahead, secs_per_page=loads.secs_per_page,
+                                       busy_lookahead=busy_lookahead)
         self.pending: set = set()     # planned but not started (retried next time)
         self._held: dict = {}         # tag -> waiting requests of that agent
         self._held_ver = 0            # bumped by hold / unhold

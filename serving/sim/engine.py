@@ -76,7 +76,7 @@ class Simulator:
                  max_prefill_tokens: int = 16384, lease_s: float = 3600.0,
                  layerwise: bool = True, reserve: bool = True,
                  load_vs_recompute: Optional[bool] = None,
-                 admission: Optional[str] = None) -> None:
+                 admission: Optional[str] = None, busy_lookahead: Optional[int] = None) -> None:
         self.p = profile
         self.w = workload
         self.policy = get_policy(policy)
@@ -113,7 +113,7 @@ class Simulator:
                                   max_inflight_loads=max_inflight_loads, lease_s=lease_s,
                                   reserve_pages=None if reserve else 0, recompute_cost=rec,
                                   recompute_stalls=stalls,
-                                  admission=admission)
+                                  admission=admission, busy_lookahead=busy_lookahead)
         self.max_running, self.max_prefill = max_running, max_prefill_tokens
         self.layerwise = layerwise
         self.tokens = Tokens()

@@ -422,3 +422,47 @@ def test_recomputed_kv_adopted_for_a_prefetched_tail_belongs_to_no_load():
     m.allocate(m.device.num_free + m.evictable_device_pages)   # everything goes
     assert m.metrics.prefetch_evicted_pages == 2 + 4 and m.metrics.prefetch_wasted == 1
     m.check_invariants()
+
+
+# ------------------------------------------------------------------ agents ahead on an idle link
+def test_agents_beyond_the_busy_lookahead_load_only_on_an_idle_link():
+    """``busy_lookahead`` 1 under ``lookahead`` 2: an agent two steps away is planned only when
+    nothing nearer is planned and the link has no backlog, and only the most urgent one."""
+    p = PrefetchPlanner(lookahead=2, secs_per_page=1.0, busy_lookahead=1)
+    near = PrefetchCandidate("next", 1, pages=2, step_s=10.0)
+    far_a = PrefetchCandidate("far-a", 2, pages=4, step_s=10.0)
+    far_b = PrefetchCandidate("far-b", 2, pages=2, step_s=10.0)   # less urgent: 2 s over 20 s
+    assert [x.candidate.tag for x in p.plan([far_a, near, far_b])] == ["next"]
+    assert p.plan([far_a, far_b], link_busy_s=0.5) == []          # a load is still on the link
+    plan = p.plan([far_b, far_a])
+    assert [x.candidate.tag for x in plan] == ["far-a"] and plan[0].finish_s == 4.0
+    # without the band every agent within the lookahead is planned, most urgent first
+    p.busy_lookahead = None
+    assert [x.candidate.tag for x in p.plan([far_a, near, far_b])] == ["next", "far-a", "far-b"]
+
+
+def test_a_prefetch_two_steps_ahead_waits_for_the_link_to_fall_idle():
+    """On the manager: agent B (STE 2) is not prefetched while A's load (STE 1) is on the link;
+    the tick after A lands starts B's. With the plain lookahead of 2 both start at once."""
+    def setup(**kw):
+        m = make_manager("kvflow", page_size=1, device_pages=32, host_pages=64, link=1.0,
+                         lookahead=2, default_step_s=100.0, **kw)
+        host_only(m, [10] * 4, "w", "A")
+        host_only(m, [20] * 4, "w", "B")
+        m.update_hints("w", {"A": 1, "B": 2}, now=0.0)
+        return m
+
+    m = setup(busy_lookahead=1)
+    assert m.metrics.prefetch_issued == 1 and m.agent_residency("w", "A") == "loading"
+    assert m.agent_residency("w", "B") == "host"
+    m.clock.t = 2.0
+    m.tick(2.0)                                    # A's 4 s load still on the link
+    assert m.metrics.prefetch_issued == 1
+    m.clock.t = 4.0
+    m.tick(4.0)                                    # A landed: the link is idle
+    assert m.agent_residency("w", "A") == "device" and m.agent_residency("w", "B") == "loading"
+    assert m.metrics.prefetch_issued == 2
+    m.check_invariants()
+
+    m = setup()
+    assert m.metrics.prefetch_issued == 2 and m.agent_residency("w", "B") == "loading"
