@@ -78,12 +78,13 @@ class PrefetchPlanner:
         band = self.busy_lookahead
         return band is not None and ste > band
 
-    def plan(self, candidates: Iterable[PrefetchCandidate], *, link_busy_s: float = 0.0
-             ) -> list[PlannedLoad]:
+    def plan(self, candidates: Iterable[PrefetchCandidate], *, link_busy_s: float = 0.0,
+             link_idle: bool | None = None) -> list[PlannedLoad]:
         """Order candidates by urgency; loads that cannot finish in time go last (or are
         dropped when recomputing is cheaper than waiting for them), and the most urgent agent
         beyond ``busy_lookahead`` last of all, only when nothing else keeps the link busy
-        (module doc)."""
+        (module doc). ``link_idle``: no load is in flight (default: no ``link_busy_s``); an
+        engine that learns of landings late, or does not know the link's speed, says so."""
         spp = self.secs_per_page
         self.last_skipped = skipped = []
         items, idle_only = [], []
@@ -121,7 +122,8 @@ class PrefetchPlanner:
             t += p.transfer_s
             p.finish_s = t
             kept_late.append(p)
-        if idle_only and t <= 0:
+        if idle_only and not (on_time or kept_late) and (
+                link_busy_s <= 0 if link_idle is None else link_idle):
             p = min(idle_only, key=lambda p: (-p.urgency, p.candidate.ste, p.candidate.pages))
             p.finish_s = p.transfer_s
             p.on_time = p.finish_s <= p.deadline_s
@@ -295,7 +297,8 @@ class Prefetcher:
                                                  self.target, self.book)
         planner.lookahead = book.lookahead
         planner.secs_per_page = loads.secs_per_page
-        plan = planner.plan(cands, link_busy_s=loads.link_busy_s(now))
+        busy = loads.link_busy_s(now)
+        plan = planner.plan(cands, link_busy_s=busy, link_idle=busy <= 0 and not loads.in_flight)
         metrics.prefetch_recompute_skips += len(planner.last_skipped)
         planned = {p.candidate.tag for p in plan}
         for tag in previously - planned:

@@ -81,6 +81,7 @@ class KVFlowRadixCache(KVFlowTagging, KVFlowHints, KVFlowLoads, UnifiedRadixCach
 
     # Tunables (class attributes so a launcher / test can set them; plain ints and floats)
     lookahead: float = 1
+    busy_lookahead: Optional[float] = None  # agents beyond it load only on an idle link
     lease_s: float = 60.0
     max_inflight_prefetch: int = 2   # proactive loads in flight (their own ring has one slot more)
     infer_window: int = 3
@@ -136,7 +137,8 @@ class KVFlowRadixCache(KVFlowTagging, KVFlowHints, KVFlowLoads, UnifiedRadixCach
                                         _SGLangTarget(self), page_size=self.page_size,
                                         max_inflight=self.max_inflight_prefetch,
                                         default_step_s=self.default_step_s,
-                                        reserve=self._reserve_pages)
+                                        reserve=self._reserve_pages,
+                                        busy_lookahead=self.busy_lookahead)
         strategy = getattr(self.tree_core, "eviction_strategy", None)
         self.kv_strategy_bound = isinstance(strategy, KVFlowStrategy)
         if self.kv_strategy_bound:

@@ -7,7 +7,8 @@ Adds, unless the caller already chose them: ``--enable-hierarchical-cache``,
 ``--radix-cache-backend kvflow``, ``--radix-eviction-policy kvflow``; forces SGLang's Python
 TreeCore (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``: the Rust core rejects custom
 eviction policies). Our own flags are taken out of argv and passed through the environment,
-which SGLang's spawned processes inherit: ``--kvflow-lookahead N``, ``--kvflow-lease-s S``,
+which SGLang's spawned processes inherit: ``--kvflow-lookahead N``, ``--kvflow-busy-lookahead
+N`` (agents further ahead load only on an idle link), ``--kvflow-lease-s S``,
 ``--kvflow-max-prefetch N``, ``--kvflow-admission fcfs|workflow`` (the waiting queue's order,
 ``hooks.after_calc_priority``), ``--kvflow-skip-scope all|workflow`` (who may go ahead of a
 request whose prefix is loading, ``hooks.around_add_one_req``), ``--kvflow-api-keys-file F``,
@@ -34,7 +35,8 @@ DEFAULT_FLAGS = (
     ("--radix-cache-backend", "kvflow"),
     ("--radix-eviction-policy", "kvflow"),
 )
-OWN_FLAGS = {"--kvflow-lookahead": "KVFLOW_LOOKAHEAD", "--kvflow-lease-s": "KVFLOW_LEASE_S",
+OWN_FLAGS = {"--kvflow-lookahead": "KVFLOW_LOOKAHEAD",
+             "--kvflow-busy-lookahead": "KVFLOW_BUSY_LOOKAHEAD", "--kvflow-lease-s": "KVFLOW_LEASE_S",
              "--kvflow-max-prefetch": "KVFLOW_MAX_PREFETCH",
              "--kvflow-admission": "KVFLOW_ADMISSION",
              "--kvflow-skip-scope": "KVFLOW_SKIP_SCOPE",

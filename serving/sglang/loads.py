@@ -241,6 +241,7 @@ class KVFlowLoads:
         if book.lookahead != self.lookahead:
             book.set_lookahead(self.lookahead)
         self.kv_prefetcher.max_inflight = self.max_inflight_prefetch
+        self.kv_prefetcher.planner.busy_lookahead = self.busy_lookahead
         started = self.kv_prefetcher.run(self._kv_now())
         if started:
             # Start the H2D copies now, on the proactive loads' own ring slot: no batch

@@ -47,6 +47,7 @@ def _env_num(name: str, cast, default):
 def cache_options() -> dict:
     return {
         "lookahead": _env_num("KVFLOW_LOOKAHEAD", float, 1.0),
+        "busy_lookahead": _env_num("KVFLOW_BUSY_LOOKAHEAD", float, None),
         "lease_s": _env_num("KVFLOW_LEASE_S", float, 60.0),
         "max_inflight_prefetch": _env_num("KVFLOW_MAX_PREFETCH", int, 2),
         "admission": _env_num("KVFLOW_ADMISSION", check_admission, "workflow"),
@@ -71,6 +72,7 @@ def kvflow_cache_factory(ctx):
 
     class _Configured(KVFlowRadixCache):
         lookahead = opts["lookahead"]
+        busy_lookahead = opts["busy_lookahead"]
         lease_s = opts["lease_s"]
         max_inflight_prefetch = opts["max_inflight_prefetch"]
         admission = opts["admission"]

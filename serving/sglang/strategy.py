@@ -44,7 +44,7 @@ class KVFlowStrategy(EvictionStrategy):
 
     SGLang builds it from ``--radix-eviction-policy kvflow`` with the JSON of
     ``--radix-eviction-policy-config`` as keyword arguments; the cache reads the optional
-    ``lookahead``, ``lease_s``, ``max_prefetch``, ``recompute_s_per_token``, ``admission``
+    ``lookahead``, ``busy_lookahead``, ``lease_s``, ``max_prefetch``, ``recompute_s_per_token``, ``admission``
     (``"workflow"`` or ``"fcfs"``) and ``skip_scope`` (``"all"`` or ``"workflow"``) from there.
     Until a :class:`KVFlowRadixCache` binds its index, every node has priority +inf (LRU).
     """
@@ -52,8 +52,9 @@ class KVFlowStrategy(EvictionStrategy):
     def __init__(self, lookahead: Optional[float] = None, lease_s: Optional[float] = None,
                  max_prefetch: Optional[int] = None,
                  recompute_s_per_token: Optional[float] = None,
-                 admission: Optional[str] = None, skip_scope: Optional[str] = None) -> None:
-        self.options = {"lookahead": lookahead, "lease_s": lease_s,
+                 admission: Optional[str] = None, skip_scope: Optional[str] = None,
+                 busy_lookahead: Optional[float] = None) -> None:
+        self.options = {"lookahead": lookahead, "busy_lookahead": busy_lookahead, "lease_s": lease_s,
                         "max_inflight_prefetch": max_prefetch,
                         "recompute_s_per_token": recompute_s_per_token,
                         "admission": None if admission is None else check_admission(admission),

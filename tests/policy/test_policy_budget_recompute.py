@@ -434,6 +434,7 @@ def test_agents_beyond_the_busy_lookahead_load_only_on_an_idle_link():
     far_b = PrefetchCandidate("far-b", 2, pages=2, step_s=10.0)   # less urgent: 2 s over 20 s
     assert [x.candidate.tag for x in p.plan([far_a, near, far_b])] == ["next"]
     assert p.plan([far_a, far_b], link_busy_s=0.5) == []          # a load is still on the link
+    assert p.plan([far_a, far_b], link_idle=False) == []          # one whose landing is not known
     plan = p.plan([far_b, far_a])
     assert [x.candidate.tag for x in plan] == ["far-a"] and plan[0].finish_s == 4.0
     # without the band every agent within the lookahead is planned, most urgent first

@@ -185,3 +185,20 @@ def test_serve_backup_flag_reaches_the_kvflow_policy(monkeypatch, flags, want):
     assert r.exit_code == 0, r.output
     assert isinstance(eng.policy, KVFlowPolicy) and eng.policy.backup == want
     assert f"whole nodes, backup {want};" in r.output
+
+
+@pytest.mark.parametrize("flags, want", [
+    ([], None), (["--lookahead", "2", "--busy-lookahead", "1"], 1),
+    (["--busy-lookahead", "1"], "below lookahead (1)"),
+    (["--lookahead", "2", "--busy-lookahead", "2"], "below lookahead (2)")])
+def test_serve_busy_lookahead_reaches_the_prefetch_planner(monkeypatch, flags, want):
+    """``--busy-lookahead`` sets the STE beyond which the engine's prefetch planner loads only
+    on an idle link; one not below ``--lookahead`` is a bad flag that says what is wrong."""
+    r, eng, _ = serve_without_uvicorn(monkeypatch, flags)
+    if isinstance(want, str):
+        assert r.exit_code == 2 and "busy_lookahead" in r.output and want in r.output
+        assert eng is None
+        return
+    assert r.exit_code == 0, r.output
+    planner = eng.manager.prefetcher.planner
+    assert planner.busy_lookahead == want and eng.manager.lookahead == (2 if want else 1)

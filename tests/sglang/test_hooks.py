@@ -69,9 +69,10 @@ def test_backend_factory_builds_kvflow_cache_on_python_core():
     ctx = SimpleNamespace(server_args=None, params=params, is_hybrid_swa=False,
                           is_hybrid_ssm=False, enable_hierarchical_cache=False,
                           disable_radix_cache=False, tp_worker=None, full_tokens_per_layer=None)
-    with mock.patch.dict("os.environ", {"KVFLOW_LOOKAHEAD": "2"}):
+    with mock.patch.dict("os.environ", {"KVFLOW_LOOKAHEAD": "2", "KVFLOW_BUSY_LOOKAHEAD": "1"}):
         cache = kvflow_cache_factory(ctx)
     assert isinstance(cache, KVFlowRadixCache) and cache.lookahead == 2
+    assert cache.busy_lookahead == 1 and cache.kv_prefetcher.planner.busy_lookahead == 1
     assert cache.max_inflight_prefetch == 1
     assert cache._tree_core_backend == "python" and cache.kv_strategy_bound
 

@@ -173,6 +173,22 @@ class PrefetchTest(UnifiedRadixCacheFixtures, unittest.TestCase):
         self.cache.lookahead = 2
         self.assertEqual(self.cache.kvflow_prefetch(), [("wf", "A")])
 
+    def test_agents_beyond_the_busy_lookahead_wait_for_an_idle_link(self):
+        """--kvflow-busy-lookahead 1 under lookahead 2: B (STE 2) is loaded only once A's load
+        (STE 1) has been acked; SGLang's loads are untimed, so "idle" is "nothing in flight"."""
+        ste = {"A": 1, "B": 2}
+        self.req("A", ste)
+        self.req("B", ste)
+        self.offload_all()
+        self.cache.lookahead, self.cache.busy_lookahead = 2, 1
+        self.assertEqual(self.cache.kvflow_prefetch(), [("wf", "A")])
+        self.assertEqual(self.cache.kvflow_prefetch(), [])
+        self.assertEqual(self.residency()["B"], "host")
+        self.ack_all()
+        self.assertEqual(self.cache.kvflow_prefetch(), [("wf", "B")])
+        self.ack_all()
+        self.assertEqual(self.residency(), {"A": "device", "B": "device"})
+
     def test_no_hints_no_prefetch(self):
         for a in self.fixed:
             run_request(self, self.cache, self.alloc, self.r2t, self.fixed[a])

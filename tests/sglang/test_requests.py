@@ -166,13 +166,14 @@ def test_launcher_adds_kvflow_defaults_and_keeps_user_flags():
     from kvflow_agents.serving.sglang.launch import build_args
 
     args, env = build_args(["--model-path", "m", "--port", "30001", "--kvflow-lookahead", "2",
-                            "--kvflow-max-prefetch=1"])
+                            "--kvflow-max-prefetch=1", "--kvflow-busy-lookahead", "1"])
     assert args[:4] == ["--model-path", "m", "--port", "30001"]
     assert "--enable-hierarchical-cache" in args
     assert args[args.index("--radix-cache-backend") + 1] == "kvflow"
     assert args[args.index("--radix-eviction-policy") + 1] == "kvflow"
     assert env == {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
-                   "KVFLOW_LOOKAHEAD": "2", "KVFLOW_MAX_PREFETCH": "1"}
+                   "KVFLOW_LOOKAHEAD": "2", "KVFLOW_MAX_PREFETCH": "1",
+                   "KVFLOW_BUSY_LOOKAHEAD": "1"}
     args, _ = build_args(["--model-path", "m", "--radix-eviction-policy=lru",
                           "--disable-hierarchical-cache"])
     assert args.count("--radix-eviction-policy=lru") == 1 and "--radix-eviction-policy" not in args

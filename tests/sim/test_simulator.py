@@ -165,6 +165,13 @@ def test_cli(tmp_path):
     assert bad.exit_code == 2 and "nope" in bad.output
     bad = CliRunner().invoke(app, ["sim", "sweep", "--bandwidth", "1,x"])
     assert bad.exit_code == 2
+    bad = CliRunner().invoke(app, ["sim", "run", "--busy-lookahead", "1"])   # not below --lookahead
+    assert bad.exit_code == 2 and "--busy-lookahead" in bad.output
+    r = CliRunner().invoke(app, ["sim", "run", "--fixed", "2048", "--agents", "4", "--rounds", "1",
+                                 "--workflows", "2", "--device-fraction", "0.5", "--policies",
+                                 "kvflow", "--lookahead", "2", "--busy-lookahead", "1", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["results"]["kvflow"]["cache"]["prefetch_issued"] > 0
     png = tmp_path / "s.png"
     r = CliRunner().invoke(app, ["sim", "sweep", "--concurrency", "1,2", "--bandwidth", "0.1,4", "--fixed", "1024",
                                  "--no-progress", "--plot", str(png), "--json", str(tmp_path / "s.json")])
