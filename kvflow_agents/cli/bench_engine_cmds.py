@@ -1,6 +1,6 @@
-"""``kvflow bench engine`` and ``kvflow bench layout``: the embedded engine's decode step measured
-in-process (no server, no client): where a step's time goes, and what the pages' layout in the
-pool costs it."""
+"""``kvflow bench engine``, ``layout`` and ``forwards``: the embedded engine measured in-process
+(no server, no client): where a decode step's time goes, what the pages' layout in the pool costs
+it, and whether a policy's cache work slows the model's forwards."""
 
 from __future__ import annotations
 
@@ -121,3 +121,50 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                  f"page runs per sequence")
         emit_document(console, doc, page_layout.render_table(res, title), json_out=json_out,
                       plot=(lambda: page_layout.plot(res, plot_out, title)) if plot_out else None)
+
+    @bench_app.command("forwards")
+    def forwards_cmd(
+        model: str = typer.Option("tiny-random", help="Model preset of the in-process engines."),
+        policies: str = typer.Option("hicache,kvflow,oracle", help="Comma-separated, with the oracle "
+                                     "(the reference)."),
+        agents: int = typer.Option(10, min=2, help="Agents in the cycle."),
+        fixed: int = typer.Option(1024, min=16, help="Fixed prompt tokens per agent."),
+        dynamic: int = typer.Option(32, min=1, help="Dynamic tokens per call."),
+        output: int = typer.Option(16, min=2, help="Output tokens per call."),
+        rounds: int = typer.Option(5, min=1, help="Measured rounds of the cycle per repetition."),
+        reps: int = typer.Option(7, min=2, help="Repetitions (fresh engines each)."),
+        device_fraction: float = typer.Option(0.4, help="Device pool as a fraction of the fixed prompts."),
+        host_link_gbps: float = typer.Option(0.07, help="Emulated host link (GB/s; the 2-core box "
+                                             "calibrates 0.06-0.08 for tiny-random)."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here ('-': stdout only)."),
+        plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
+    ) -> None:
+        """Model seconds per decode step and per prefill under each policy, on engines in this one
+        process with calls interleaved, relative to the oracle's: whether a policy's cache work
+        slows the forwards, free of the processes' speed (the workflow benches' caveat lines)."""
+        from rich.console import Console
+
+        from kvflow_agents.bench import forwards
+
+        pols = _policies(policies)
+        if forwards.REFERENCE not in pols:
+            raise typer.BadParameter("include the oracle (the reference)", param_hint="--policies")
+        if not 0 < device_fraction <= 1 or host_link_gbps <= 0:
+            raise typer.BadParameter("--device-fraction must be in (0, 1], --host-link-gbps > 0")
+        console = Console(stderr=json_out == "-")
+        with console.status("measuring …") as status:
+            res = forwards.run_forwards_bench(
+                model=model, policies=pols, agents=agents, fixed=fixed, dynamic=dynamic,
+                output=output, rounds=rounds, reps=reps, device_fraction=device_fraction,
+                host_link_gbps=host_link_gbps,
+                progress=lambda s: status.update(f"measuring: {s} …") if json_out != "-" else None)
+        doc = {"bench": "forwards", "model": model, "agents": agents, "fixed": fixed,
+               "dynamic": dynamic, "output": output, "rounds": rounds, "reps": reps,
+               "device_fraction": device_fraction, "host_link_gbps": host_link_gbps,
+               "command": command_line("forwards"),
+               "results": [r.as_dict() for r in res], "ratios": forwards.ratios(res)}
+        title = (f"kvflow bench forwards: {model}, cycle of {agents} agents, {fixed}/{dynamic}/"
+                 f"{output} tokens, {reps} x {rounds} rounds, one process, calls interleaved; model ms "
+                 f"per decode step and per call's prefill")
+        emit_document(console, doc, forwards.render_table(res, title), json_out=json_out,
+                      plot=(lambda: forwards.plot(res, plot_out, title)) if plot_out else None)

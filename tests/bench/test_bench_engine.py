@@ -61,3 +61,28 @@ def test_timers_charge_exclusive_time(monkeypatch):
         now[0] += 0.5
     t.wrap("sinks", sink_work)()
     assert t.step == {"cache": 2.0, "sinks": 1.5}
+
+
+def test_forwards_bench_interleaves_the_same_calls_on_every_policy(tmp_path):
+    """``kvflow bench forwards``: every engine served the same calls (equal decode steps per
+    repetition at batch 1), kvflow's from a pool that made it load prefixes from host (its cache
+    work was in the measurement), ratios to the oracle per repetition; the table fits 80
+    columns; the oracle is required."""
+    out, png = tmp_path / "f.json", tmp_path / "f.png"
+    r = CliRunner().invoke(app, ["bench", "forwards", "--policies", "kvflow,oracle", "--agents", "4",
+                                 "--fixed", "128", "--rounds", "2", "--reps", "2", "--json", str(out),
+                                 "--plot", str(png)], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert max(len(x) for x in r.output.splitlines()) <= 80 and png.stat().st_size > 1000
+    doc = json.loads(out.read_text())
+    res = {x["policy"]: x for x in doc["results"]}
+    assert res["kvflow"]["decode_steps"] == res["oracle"]["decode_steps"] == [2 * 4 * 15] * 2
+    assert res["kvflow"]["load_pages"] > 0 and res["oracle"]["load_pages"] == 0
+    rat = doc["ratios"]
+    assert rat["oracle"]["decode"]["ratio"] == 1.0 and len(rat["kvflow"]["decode"]["reps"]) == 2
+    for name in ("decode", "prefill"):
+        v = rat["kvflow"][name]
+        lo, hi = v["ci"]
+        assert lo <= v["ratio"] <= hi and v["ratio"] > 0
+    bad = CliRunner().invoke(app, ["bench", "forwards", "--policies", "kvflow,hicache"])
+    assert bad.exit_code == 2 and "oracle" in bad.output

@@ -1,0 +1,201 @@
+"""``kvflow bench forwards``: does a policy's cache work slow the model's own forwards?
+
+The workflow benches run one server process per policy, and on this 2-core box one process
+runs a few per cent faster or slower than another (``bench/speed.py``), so when a report's
+caveat line says "kvflow's decode steps 1.04x the oracle's, more than the processes' luck"
+it cannot say whether kvflow's loads, backups and evictions slow the forwards that follow
+them (caches, memory traffic, page layout) or whether its processes drew slower cores.
+
+Here every policy's :class:`~kvflow_agents.serving.embedded.engine.Engine` lives in this one
+process (weights shared, one torch thread) and the workload is the paper's cycle with one
+workflow per engine: each call goes to every engine in turn, the order rotated per call, so
+what slows the process slows them all alike. Per repetition (fresh engines, one unmeasured
+warm-up round) the engines' own counters give the model's seconds per decode step and per
+prefill call; the figure per policy is its ratio to the oracle's, as a geometric mean over
+repetitions with a 90 % bootstrap interval over them (``stats.paired_bootstrap``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import textwrap
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+from .stats import paired_bootstrap
+
+REFERENCE = "oracle"
+_WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
+          "rho sigma tau upsilon").split()
+
+
+@dataclass
+class ForwardTimes:
+    policy: str
+    decode_s: list = field(default_factory=list)       # per repetition: model seconds in decode
+    decode_steps: list = field(default_factory=list)
+    prefill_s: list = field(default_factory=list)      # model seconds in prefill forwards
+    calls: int = 0                                     # measured calls per repetition
+    load_pages: int = 0                                # pages loaded from host (all repetitions)
+
+    def decode_ms(self) -> list:
+        return [1e3 * s / n if n else math.nan for s, n in zip(self.decode_s, self.decode_steps)]
+
+    def prefill_ms(self) -> list:
+        return [1e3 * s / self.calls if self.calls else math.nan for s in self.prefill_s]
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "decode_ms_per_step": self.decode_ms(),
+                "prefill_ms_per_call": self.prefill_ms()}
+
+
+def _text(rng: random.Random, n: int) -> str:
+    """``n`` characters of words (tiny-random's tokenizer is byte-level: ~n tokens)."""
+    out, size = [], 0
+    while size < n:
+        w = rng.choice(_WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:n]
+
+
+def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], agents: int = 10,
+                       fixed: int = 1024, dynamic: int = 32, output: int = 16, rounds: int = 5,
+                       reps: int = 7, device_fraction: float = 0.4, host_link_gbps: float = 0.07,
+                       progress: Optional[Callable[[str], None]] = None) -> list[ForwardTimes]:
+    """The interleaved in-process runs (module doc); ``policies`` must include the oracle."""
+    import torch
+
+    from kvflow_agents.protocol import Hints
+    from kvflow_agents.serving.embedded.engine import Engine
+    from kvflow_agents.serving.embedded.model import load_model
+
+    if REFERENCE not in policies:
+        raise ValueError(f"the {REFERENCE} is the reference: include it in the policies")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the benches' servers; restored below
+    try:
+        loaded = load_model(model, "cpu", None)
+        rng = random.Random(0)
+        names = [f"agent_{i}" for i in range(agents)]
+        system = {a: f"[{a}] " + _text(rng, max(1, fixed - len(a) - 3)) for a in names}
+        # at least two calls' worth (with the chat template's tokens), as the workflow bench
+        device = max(2 * (fixed + dynamic + output + 128), int(device_fraction * agents * fixed))
+        host = 4 * agents * (fixed + dynamic + output)
+        out = {p: ForwardTimes(p, calls=rounds * agents) for p in policies}
+        for rep in range(reps):
+            engines = {p: Engine(loaded=loaded, model=model, policy=p, device_tokens=device,
+                                 host_tokens=host, host_link_gbps=host_link_gbps,
+                                 torch_threads=1).__enter__() for p in policies}
+            try:
+                def run(n_rounds: int, first_step: int) -> None:
+                    for r in range(n_rounds):
+                        for i, a in enumerate(names):
+                            step = first_step + r * agents + i
+                            msgs = [{"role": "system", "content": system[a]},
+                                    {"role": "user", "content": f"{step} " + _text(rng, dynamic)}]
+                            ste = {names[(i + k) % agents]: k for k in range(agents)}
+                            k = step % len(policies)
+                            for p in list(policies[k:]) + list(policies[:k]):
+                                h = Hints(workflow=f"w{rep}", agent=a, step=step, ste=ste,
+                                          fixed_messages=1)
+                                engines[p].chat(msgs, hints=h, max_tokens=output, temperature=0,
+                                                ignore_eos=True)
+
+                run(1, 0)  # warm-up: every prefix computed once, caches and allocator settled
+                before = {p: e.call(lambda x: dict(x.counters)) for p, e in engines.items()}
+                run(rounds, agents)
+                for p, e in engines.items():
+                    c = e.call(lambda x: (dict(x.counters), x.pool.stats.get("load_pages", 0)))
+                    t, b = out[p], before[p]
+                    t.decode_s.append(c[0]["decode_forward_s"] - b["decode_forward_s"])
+                    t.decode_steps.append(c[0]["decode_steps"] - b["decode_steps"])
+                    t.prefill_s.append(c[0]["prefill_forward_s"] - b["prefill_forward_s"])
+                    t.load_pages += c[1]
+            finally:
+                for e in engines.values():
+                    e.__exit__(None, None, None)
+            if progress:
+                progress(f"repetition {rep + 1}/{reps}")
+        return [out[p] for p in policies]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def ratios(results: Sequence[ForwardTimes]) -> dict:
+    """Per policy and figure (``decode``, ``prefill``): the per-repetition ratios to the oracle,
+    their geometric mean and its 90 % bootstrap interval over repetitions."""
+    ref = next(r for r in results if r.policy == REFERENCE)
+    out = {}
+    for r in results:
+        out[r.policy] = {}
+        for name, mine, theirs in (("decode", r.decode_ms(), ref.decode_ms()),
+                                   ("prefill", r.prefill_ms(), ref.prefill_ms())):
+            logs = [math.log(a / b) for a, b in zip(mine, theirs) if a > 0 and b > 0]
+            if not logs:
+                out[r.policy][name] = None
+                continue
+            gm = lambda idx: math.exp(sum(logs[i] for i in idx) / len(idx))  # noqa: E731
+            ci = paired_bootstrap(gm, len(logs)) if len(logs) > 1 else None
+            out[r.policy][name] = {"ratio": gm(range(len(logs))), "ci": ci,
+                                   "reps": [math.exp(x) for x in logs]}
+    return out
+
+
+def render_table(results: Sequence[ForwardTimes], title: str):
+    from rich import box
+    from rich.table import Table
+
+    rat = ratios(results)
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name, just in (("policy", "left"), ("decode ms", "right"), ("x oracle", "right"),
+                       ("90% CI", "right"), ("prefill ms", "right"), ("x oracle", "right"),
+                       ("90% CI", "right"), ("pages loaded", "right")):
+        t.add_column(name, justify=just, no_wrap=name == "90% CI",
+                     min_width={"90% CI": 9, "prefill ms": 7}.get(name))
+
+    def med(xs):
+        xs = sorted(x for x in xs if not math.isnan(x))
+        return xs[len(xs) // 2] if xs else math.nan
+
+    def cells(v):
+        if v is None:
+            return "-", "-"
+        ci = v["ci"]
+        return f"{v['ratio']:.3f}", (f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-")
+
+    for r in results:
+        t.add_row(r.policy, f"{med(r.decode_ms()):.3f}", *cells(rat[r.policy]["decode"]),
+                  f"{med(r.prefill_ms()):.3f}", *cells(rat[r.policy]["prefill"]), str(r.load_pages))
+    return t
+
+
+def plot(results: Sequence[ForwardTimes], path: str, title: str) -> None:
+    """Bars: each policy's decode-step and prefill ratio to the oracle, with the intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rat = ratios(results)
+    pols = [r.policy for r in results]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for j, name in enumerate(("decode", "prefill")):
+        xs = [i + (j - 0.5) * 0.38 for i in range(len(pols))]
+        vals = [rat[p][name]["ratio"] if rat[p][name] else math.nan for p in pols]
+        lo = [v - (rat[p][name]["ci"] or (v, v))[0] if rat[p][name] else 0 for p, v in zip(pols, vals)]
+        hi = [(rat[p][name]["ci"] or (v, v))[1] - v if rat[p][name] else 0 for p, v in zip(pols, vals)]
+        ax.bar(xs, vals, width=0.36, yerr=[lo, hi], capsize=3,
+               label=f"{name} (model ms per {'step' if name == 'decode' else 'call'})")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    tops = [c[1] for p in pols for v in rat[p].values() if v and (c := v["ci"] or (v["ratio"],) * 2)]
+    lows = [c[0] for p in pols for v in rat[p].values() if v and (c := v["ci"] or (v["ratio"],) * 2)]
+    ax.set_ylim(min(lows + [1.0]) - 0.05, max(tops + [1.0]) + 0.05)  # the ratios sit near 1
+    ax.set_xticks(range(len(pols)), pols)
+    ax.set_ylabel("ratio to the oracle's")
+    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
