@@ -17,6 +17,7 @@ repetitions with a 90 % bootstrap interval over them (``stats.paired_bootstrap``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import textwrap
@@ -37,7 +38,8 @@ class ForwardTimes:
     decode_steps: list = field(default_factory=list)
     prefill_s: list = field(default_factory=list)      # model seconds in prefill forwards
     calls: int = 0                                     # measured calls per repetition
-    load_pages: int = 0                                # pages loaded from host (all repetitions)
+    load_pages: int = 0                                # pages loaded from host, all repetitions
+                                                       # (warm-up rounds included)
 
     def decode_ms(self) -> list:
         return [1e3 * s / n if n else math.nan for s, n in zip(self.decode_s, self.decode_steps)]
@@ -85,10 +87,11 @@ def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], a
         host = 4 * agents * (fixed + dynamic + output)
         out = {p: ForwardTimes(p, calls=rounds * agents) for p in policies}
         for rep in range(reps):
-            engines = {p: Engine(loaded=loaded, model=model, policy=p, device_tokens=device,
-                                 host_tokens=host, host_link_gbps=host_link_gbps,
-                                 torch_threads=1).__enter__() for p in policies}
-            try:
+            with contextlib.ExitStack() as stack:
+                engines = {p: stack.enter_context(Engine(
+                    loaded=loaded, model=model, policy=p, device_tokens=device, host_tokens=host,
+                    host_link_gbps=host_link_gbps, torch_threads=1)) for p in policies}
+
                 def run(n_rounds: int, first_step: int) -> None:
                     for r in range(n_rounds):
                         for i, a in enumerate(names):
@@ -113,9 +116,6 @@ def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], a
                     t.decode_steps.append(c[0]["decode_steps"] - b["decode_steps"])
                     t.prefill_s.append(c[0]["prefill_forward_s"] - b["prefill_forward_s"])
                     t.load_pages += c[1]
-            finally:
-                for e in engines.values():
-                    e.__exit__(None, None, None)
             if progress:
                 progress(f"repetition {rep + 1}/{reps}")
         return [out[p] for p in policies]
