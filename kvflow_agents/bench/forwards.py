@@ -25,10 +25,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
 from .stats import paired_bootstrap
+from .workload import token_counter
 
 REFERENCE = "oracle"
-_WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
-          "rho sigma tau upsilon").split()
 
 
 @dataclass
@@ -52,16 +51,6 @@ class ForwardTimes:
                 "prefill_ms_per_call": self.prefill_ms()}
 
 
-def _text(rng: random.Random, n: int) -> str:
-    """``n`` characters of words (tiny-random's tokenizer is byte-level: ~n tokens)."""
-    out, size = [], 0
-    while size < n:
-        w = rng.choice(_WORDS)
-        out.append(w)
-        size += len(w) + 1
-    return " ".join(out)[:n]
-
-
 def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], agents: int = 10,
                        fixed: int = 1024, dynamic: int = 32, output: int = 16, rounds: int = 5,
                        reps: int = 7, device_fraction: float = 0.4, host_link_gbps: float = 0.07,
@@ -79,9 +68,9 @@ def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], a
     torch.set_num_threads(1)  # as the benches' servers; restored below
     try:
         loaded = load_model(model, "cpu", None)
-        rng = random.Random(0)
+        rng, tokens = random.Random(0), token_counter(model)
         names = [f"agent_{i}" for i in range(agents)]
-        system = {a: f"[{a}] " + _text(rng, max(1, fixed - len(a) - 3)) for a in names}
+        system = {a: tokens.make_text(fixed, rng, lead=f"[{a}]") for a in names}
         # at least two calls' worth (with the chat template's tokens), as the workflow bench
         device = max(2 * (fixed + dynamic + output + 128), int(device_fraction * agents * fixed))
         host = 4 * agents * (fixed + dynamic + output)
@@ -97,7 +86,8 @@ def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], a
                         for i, a in enumerate(names):
                             step = first_step + r * agents + i
                             msgs = [{"role": "system", "content": system[a]},
-                                    {"role": "user", "content": f"{step} " + _text(rng, dynamic)}]
+                                    {"role": "user",
+                                     "content": tokens.make_text(dynamic, rng, lead=str(step))}]
                             ste = {names[(i + k) % agents]: k for k in range(agents)}
                             k = step % len(policies)
                             for p in list(policies[k:]) + list(policies[:k]):
