@@ -87,7 +87,12 @@ def measure_layouts(*, model: str = "tiny-random", batch: int = 8, context: int 
     import torch
 
     from kvflow_agents.serving.embedded.kv_pool import page_runs
+    from kvflow_agents.serving.embedded.malloc_tuning import pin_malloc_thresholds
     from kvflow_agents.serving.embedded.model import load_model
+
+    # as the engine does: on this (main) thread glibc's adaptive thresholds made one process
+    # page a step's temporaries in afresh and the next not, 2x apart (RESULTS.md 6.53)
+    pin_malloc_thresholds()
 
     threads_before = torch.get_num_threads()
     if torch_threads:

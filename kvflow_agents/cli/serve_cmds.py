@@ -68,6 +68,12 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             help="CPU only: KV copies (host backups, loads) on a background thread, or inline "
                  "on the engine thread between forwards (the default: a copy beside a forward "
                  "shares its caches, and inline measured faster; bench/RESULTS.md 6.33)."),
+        pin_malloc: bool = typer.Option(
+            True, "--pin-malloc/--adaptive-malloc",
+            help="Fix glibc malloc's mmap and trim thresholds in the engine's process (the "
+                 "default), so a forward's temporaries stay on the heap between steps, or leave "
+                 "glibc's adaptive thresholds, under which one process of the same code pages "
+                 "them in afresh every step and another does not (bench/RESULTS.md 6.53)."),
         lazy_decode_pages: bool = typer.Option(
             True, "--lazy-decode-pages/--upfront-decode-pages",
             help="Allocate a request's decode pages as it writes them (the default, as SGLang "
@@ -223,6 +229,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
                            turn_gaps=turn_gaps, layerwise_load=layerwise_load,
                            recompute_aware=recompute_aware, copy_thread=copy_thread,
+                           pin_malloc=pin_malloc,
                            lazy_decode_pages=lazy_decode_pages, decode_reserve=decode_reserve,
                            admission=admission, status_aware=status_aware,
                            skip_scope=skip_scope, lease_s=lease_s, backup=backup,
@@ -269,7 +276,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    + (f", backup {d['backup']}" if d["backup"] else "")
                    + "; decode pages "
                    f"{'lazy' if lazy_decode_pages else 'upfront'}"
-                   + (f" (reserve {d['decode_reserve']:g} of max_tokens)" if lazy_decode_pages else ""))
+                   + (f" (reserve {d['decode_reserve']:g} of max_tokens)" if lazy_decode_pages else "")
+                   + f"; malloc thresholds {'pinned' if d.get('malloc_pinned') else 'adaptive'}")
         typer.echo(f"  OpenAI base URL: {url}   (KVFlow: {url[:-3]}/kvflow/v1/cache, /metrics)"
                    + (f"   [API key required; {len(keys)} tenant(s)]" if keys else "")
                    + ("   [deterministic]" if deterministic else ""))

@@ -161,6 +161,7 @@ class Engine(EngineAPI, EngineLoop):
         from kvflow_agents.serving.policy import KVCacheManager, get_policy
 
         from .kv_pool import PagedKVPool
+        from .malloc_tuning import malloc_pinned, pin_malloc_thresholds
         from .model import load_model
 
         cfg = dataclasses.replace(config or EngineConfig(), **overrides)
@@ -168,6 +169,7 @@ class Engine(EngineAPI, EngineLoop):
         self.config = cfg
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
+        self.malloc_pinned = pin_malloc_thresholds() if cfg.pin_malloc else malloc_pinned()
         t0 = time.perf_counter()
         self.model, self.tokenizer, self.model_config = loaded or load_model(
             cfg.model_path or cfg.model, cfg.device, cfg.dtype)
@@ -283,7 +285,7 @@ class Engine(EngineAPI, EngineLoop):
                 "copy_mode": self.pool.copy_mode, "admission": mgr.admission.order,
                 "status_aware": sched.status_aware, "skip_scope": sched.skip_scope,
                 "decode_reserve": mgr.decode_reserve, "capacity_tokens": self.capacity_tokens,
-                "layerwise_load": cfg.layerwise_load}
+                "layerwise_load": cfg.layerwise_load, "malloc_pinned": self.malloc_pinned}
 
     @property
     def capacity_tokens(self) -> Optional[int]:

@@ -59,6 +59,11 @@ class EngineConfig:
     # or on a background copy thread (True), which overlaps them with the forwards but runs
     # them through the same caches: measured slower with 8 workflows (bench/RESULTS.md 6.33).
     copy_thread: bool = False
+    # Fix glibc's malloc mmap/trim thresholds in this process (serving/embedded/malloc_tuning.py):
+    # a forward's temporaries then stay on the heap between steps instead of being faulted in
+    # afresh, as many times per step as glibc's adaptive threshold happens to allow in this
+    # process (0-2,000 pages per decode step from one start to the next; RESULTS.md 6.53).
+    pin_malloc: bool = True
     # Allocate a request's decode pages as it writes them (True, as SGLang and vLLM do) or all
     # of prompt + max_tokens at admission. Admission reserves them either way (a running
     # request never runs out); lazily, the pages it has not written yet hold cache meanwhile,
