@@ -73,7 +73,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             help="Fix glibc malloc's mmap and trim thresholds in the engine's process (the "
                  "default), so a forward's temporaries stay on the heap between steps, or leave "
                  "glibc's adaptive thresholds, under which one process of the same code pages "
-                 "them in afresh every step and another does not (bench/RESULTS.md 6.53)."),
+                 "them in afresh every step and another does not (on the main thread; served, "
+                 "the two measured level end to end: bench/RESULTS.md 6.53)."),
         lazy_decode_pages: bool = typer.Option(
             True, "--lazy-decode-pages/--upfront-decode-pages",
             help="Allocate a request's decode pages as it writes them (the default, as SGLang "

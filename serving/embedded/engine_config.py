@@ -61,8 +61,10 @@ class EngineConfig:
     copy_thread: bool = False
     # Fix glibc's malloc mmap/trim thresholds in this process (serving/embedded/malloc_tuning.py):
     # a forward's temporaries then stay on the heap between steps instead of being faulted in
-    # afresh, as many times per step as glibc's adaptive threshold happens to allow in this
-    # process (0-2,000 pages per decode step from one start to the next; RESULTS.md 6.53).
+    # afresh as often as glibc's adaptive thresholds happen to allow in this process (model on
+    # the main thread: 0-2,000 pages per decode step from one start to the next; a served
+    # engine's thread faults mostly while warming up, and end to end the pin measured level;
+    # RESULTS.md 6.53).
     pin_malloc: bool = True
     # Allocate a request's decode pages as it writes them (True, as SGLang and vLLM do) or all
     # of prompt + max_tokens at admission. Admission reserves them either way (a running
