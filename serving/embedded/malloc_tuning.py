@@ -25,7 +25,6 @@ False) where the C library has no ``mallopt`` (musl, macOS, Windows).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 from typing import Optional
 
@@ -40,11 +39,10 @@ _pinned: Optional[tuple[int, int]] = None
 
 
 def _mallopt():
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
+    # the symbols already loaded into this process (libc's among them): no ``find_library``,
+    # which runs ``ldconfig`` in a subprocess at every engine start
     try:
-        return getattr(ctypes.CDLL(name), "mallopt", None)
+        return getattr(ctypes.CDLL(None), "mallopt", None)
     except OSError:
         return None
 
