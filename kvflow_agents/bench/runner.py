@@ -8,7 +8,8 @@ measures a warmed-up steady state) → read the server's cache counters (``GET
 /kvflow/v1/cache``; the client collects its garbage and freezes the heap) → the measured
 rounds → read them again. The counters' difference gives
 the hit tokens per tier at match time, prefetch outcomes and load time hidden behind compute vs
-exposed; per-request ``usage`` gives TTFT and per-tier hits.
+exposed; per-request ``usage`` gives TTFT and per-tier hits. With ``interleave="round"`` the
+servers take turns round by round instead of trial by trial (``run_workflow_bench``).
 
 With ``base_url`` an already running (external) server is measured instead, as one column.
 """
@@ -33,6 +34,7 @@ from .workload import (CallRecord, TokenCounter, WorkflowDriver, WorkloadResult,
 
 POLICIES = tuple(_REGISTRY)   # every registered policy can be a column
 ORACLES = tuple(p for p in POLICIES if is_reference(p))   # references, not contenders
+INTERLEAVE = ("trial", "round")   # what one policy runs before the next (run_workflow_bench)
 
 _COUNTERS = ("requests", "hit_tokens_device", "hit_tokens_host", "hit_tokens_loading", "miss_tokens",
              "backup_pages", "dropped_pages", "demand_loads", "demand_load_pages", "prefetch_issued",
@@ -276,26 +278,42 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
                        counter: TokenCounter, base_url: Optional[str] = None,
                        model: Optional[str] = None, api_key: Optional[str] = None, trials: int = 1,
                        progress: Optional[ProgressHook] = None, keep_raw: bool = False, stream: bool = True,
-                       fresh_servers: bool = False,
+                       fresh_servers: bool = False, interleave: str = "trial",
                        log: Callable[[str], Any] = lambda s: None) -> list[PolicyResult]:
     """``trials`` x (warm-up + measured rounds) per policy. All policy servers run side by side
     and the trials interleave them (policy order rotated per trial), so a noisy neighbour on the
     machine slows every policy alike; each trial uses fresh workflow ids and starts with its
     own (unmeasured) warm-up rounds. ``fresh_servers``: every trial starts its own servers, so
     what one process drew (two servers of the same code measured 10 % apart over 30 trials,
-    RESULTS.md §6.22; the oracle's pool grows all run) is drawn again each trial."""
+    RESULTS.md §6.22; the oracle's pool grows all run) is drawn again each trial.
+
+    ``interleave``: ``"trial"`` runs a policy's whole trial (warm-up and every measured round)
+    before the next policy's; ``"round"`` runs every policy's warm-up, then measured round 1 of
+    each policy, round 2 of each, ... (order rotated per round), each round a barrier across the
+    workflows. On this box the model's speed drifts by up to a third within one process over
+    seconds to a minute (RESULTS.md §6.55): the shorter the stretch between two policies'
+    measurements, the less of that drift lands between them (per-trial spread of the ratios
+    to the oracle halved at one workflow, side by side)."""
+    if interleave not in INTERLEAVE:
+        raise ValueError(f"interleave: one of {', '.join(INTERLEAVE)}, not {interleave!r}")
     per_trial = spec.workflows * spec.calls_per_round * (spec.rounds + spec.warmup_rounds)
     merged: dict[str, WorkloadResult] = {}
     counters: dict[str, Optional[dict]] = {}
     speeds: dict[str, list] = {}           # [trial, decode_step_s] per policy
 
-    def run_one(label: str, url: str, mdl: str, trial: int) -> None:
+    def on_call_of(label: str) -> Callable[[CallRecord], None]:
         def on_call(rec: CallRecord) -> None:
             if progress is not None:
                 progress(f"advance:{label}", 1)
+        return on_call
+
+    def run_one(label: str, url: str, mdl: str, trial: int) -> None:
         res, delta = _run_workload(label, trial, spec, url, mdl, counter=counter, api_key=api_key,
-                                   on_call=on_call, stream=stream,
+                                   on_call=on_call_of(label), stream=stream,
                                    extra=server.request_extra if server is not None else None)
+        record(label, trial, res, delta)
+
+    def record(label: str, trial: int, res: WorkloadResult, delta: Optional[dict]) -> None:
         acc = merged.setdefault(label, WorkloadResult())
         acc.calls.extend(res.calls)
         acc.rounds.extend(res.rounds)
@@ -321,6 +339,15 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
             for p in labels:
                 started[p].append(ss.servers[p].started_s)
             for t in trial_ids:
+                if interleave == "round":
+                    order = rotated(labels, t)
+                    got = _run_interleaved(order, t, spec, {p: ss.servers[p].base_url for p in order},
+                                           server.model, counter=counter, api_key=api_key,
+                                           on_call={p: on_call_of(p) for p in order}, stream=stream,
+                                           extra=server.request_extra)
+                    for p in order:
+                        record(p, t, *got[p])
+                    continue
                 for p in rotated(labels, t):
                     run_one(p, ss.servers[p].base_url, server.model, t)
 
@@ -345,6 +372,38 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
         if summary.get("errors"):
             log(f"[{p}] {summary['errors']} request(s) failed; first: {summary.get('first_error')}")
     return out
+
+
+def _run_interleaved(order: Sequence[str], trial: int, spec: WorkloadSpec, urls: Mapping[str, str],
+                     model: str, *, counter: TokenCounter, api_key: Optional[str],
+                     on_call: Mapping[str, Callable[[CallRecord], None]], stream: bool = True,
+                     extra: Optional[dict] = None) -> dict:
+    """One trial with ``interleave="round"`` (see ``run_workflow_bench``): every server's
+    warm-up in ``order``, every server's counters, then measured round k on each server in
+    ``order`` rotated by k, then every server's counters again. Returns
+    ``{label: (WorkloadResult, counter delta)}``."""
+    async def main() -> dict:
+        before: dict = {}
+        async with contextlib.AsyncExitStack() as stack:
+            sessions = {}
+            for p in order:
+                await warm_kernels(urls[p], model, api_key)
+                drv = WorkflowDriver(spec, urls[p], model, counter=counter, api_key=api_key,
+                                     stream=stream, run_id=f"{p}-t{trial}-{int(time.time())}",
+                                     trial=trial, on_call=on_call[p], extra=extra)
+                sessions[p] = await stack.enter_async_context(drv.session())
+                await sessions[p].warmup()
+            for p in order:
+                before[p] = await fetch_cache_metrics(urls[p], api_key)
+            with settled_heap():
+                for k in range(spec.rounds):
+                    for p in rotated(order, k):
+                        await sessions[p].measured_round(k)
+            after = {p: await fetch_cache_metrics(urls[p], api_key) for p in order}
+            for p in order:
+                await sessions[p].end()
+        return {p: (sessions[p].result, metrics_delta(before[p], after[p])) for p in order}
+    return asyncio.run(main())
 
 
 def _run_workload(label: str, trial: int, spec: WorkloadSpec, base_url: str, model: str, *,

@@ -425,30 +425,19 @@ class WorkflowDriver:
         """Warm-up rounds, then ``between()`` (e.g. snapshot server counters), then the measured
         rounds, all workflows concurrently; a barrier separates the two phases. ``end=False``
         leaves the workflows open (another client continues them)."""
-        spec = self.spec
-        result = WorkloadResult()
-        trackers = [self.graph.tracker(self.workflow_id(w)) for w in range(spec.workflows)]
-        async with self._client() as client:
-            if spec.warmup_rounds:
-                await asyncio.gather(*(self._rounds(client, trackers[w], w, 0, spec.warmup_rounds,
-                                                    False, result) for w in range(spec.workflows)))
+        async with self.session() as s:
+            await s.warmup()
             if between is not None:
                 await between()
-            t0 = time.perf_counter()
-            await asyncio.gather(*(self._rounds(client, trackers[w], w, spec.warmup_rounds,
-                                                spec.warmup_rounds + spec.rounds, True, result)
-                                   for w in range(spec.workflows)))
-            result.measured_s = time.perf_counter() - t0
-            for w, tr in enumerate(trackers):
-                if not end:
-                    break
-                tr.end()
-                if self.send_hints:
-                    from kvflow_agents.protocol import Hints
-                    await post_end(client, self.base_url,
-                                   Hints(workflow=self.workflow_id(w), agent=spec.agent_names()[-1],
-                                         step=tr.step, app=spec.app), self.model)
-        return result
+            await s.measured()
+            if end:
+                await s.end()
+        return s.result
+
+    def session(self) -> "DriverSession":
+        """The same run in parts, for a runner that interleaves several servers' rounds
+        (``kvflow bench workflow --interleave round``)."""
+        return DriverSession(self)
 
     def hints_for(self, tracker, w: int, agent: str):
         """The hints this request carries: the tracker's, or their ``spec.hints`` corruption."""
@@ -490,6 +479,63 @@ class WorkflowDriver:
         if self.on_call is not None:
             self.on_call(rec)
         return rec
+
+
+class DriverSession:
+    """One :class:`WorkflowDriver` run, step by step: its HTTP client and workflow trackers
+    live from ``async with`` to its end, so a runner can run the warm-up, then one measured
+    round at a time (each a barrier across the driver's workflows), then end the workflows.
+    ``result.measured_s`` sums the measured rounds' wall time."""
+
+    def __init__(self, driver: WorkflowDriver) -> None:
+        self.driver = driver
+        self.result = WorkloadResult()
+        self._client_cm: Any = None
+        self._client: Any = None
+        self._trackers: list = []
+
+    async def __aenter__(self) -> "DriverSession":
+        d = self.driver
+        self._trackers = [d.graph.tracker(d.workflow_id(w)) for w in range(d.spec.workflows)]
+        self._client_cm = d._client()
+        self._client = await self._client_cm.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._client_cm.__aexit__(*exc)
+
+    async def _span(self, r0: int, r1: int, measured: bool) -> None:
+        d = self.driver
+        t0 = time.perf_counter()
+        await asyncio.gather(*(d._rounds(self._client, self._trackers[w], w, r0, r1, measured,
+                                         self.result) for w in range(d.spec.workflows)))
+        if measured:
+            self.result.measured_s += time.perf_counter() - t0
+
+    async def warmup(self) -> None:
+        if self.driver.spec.warmup_rounds:
+            await self._span(0, self.driver.spec.warmup_rounds, False)
+
+    async def measured(self) -> None:
+        """Every measured round, each workflow running on through them (no barrier between)."""
+        w0 = self.driver.spec.warmup_rounds
+        await self._span(w0, w0 + self.driver.spec.rounds, True)
+
+    async def measured_round(self, k: int) -> None:
+        """Measured round ``k`` (0-based) of every workflow, then a barrier."""
+        w0 = self.driver.spec.warmup_rounds
+        await self._span(w0 + k, w0 + k + 1, True)
+
+    async def end(self) -> None:
+        """End every workflow (``end`` hint to the server)."""
+        d = self.driver
+        for w, tr in enumerate(self._trackers):
+            tr.end()
+            if d.send_hints:
+                from kvflow_agents.protocol import Hints
+                await post_end(self._client, d.base_url,
+                               Hints(workflow=d.workflow_id(w), agent=d.spec.agent_names()[-1],
+                                     step=tr.step, app=d.spec.app), d.model)
 
 
 def fixed_prompt_tokens(spec: WorkloadSpec, counter: TokenCounter) -> int:

@@ -83,6 +83,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         fresh_servers: bool = typer.Option(False, help="Start every policy's server again for each trial "
                                                        "(~2 s per server and trial): what one process "
                                                        "drew is drawn again each trial."),
+        interleave: str = typer.Option("trial", help="What one policy runs before the next: 'trial' "
+                                                     "(its warm-up and every measured round) or "
+                                                     "'round' (every policy's warm-up, then round 1 "
+                                                     "of each, round 2 of each, ...; each round a "
+                                                     "barrier across the workflows)."),
         workflows: int = typer.Option(1, min=1, help="Concurrent workflow instances."),
         share_prompts: bool = typer.Option(False, help="All workflows share the same fixed prompts (one app)."),
         policies: str = typer.Option(_DEFAULT_POLICIES, help="Comma-separated: lru,hicache,kvflow,oracle."),
@@ -129,7 +134,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from rich.console import Console
 
         from kvflow_agents.bench import report
-        from kvflow_agents.bench.runner import run_workflow_bench
+        from kvflow_agents.bench.runner import INTERLEAVE, run_workflow_bench
         from kvflow_agents.bench.workload import VARIANTS, WorkloadSpec, fixed_prompt_tokens, token_counter
 
         if variant not in VARIANTS:
@@ -205,6 +210,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         if fresh_servers and base_url:
             raise typer.BadParameter("restarts the servers this command starts; not with --base-url",
                                      param_hint="--fresh-servers")
+        if interleave not in INTERLEAVE:
+            raise typer.BadParameter(f"one of {', '.join(INTERLEAVE)}, not {interleave!r}",
+                                     param_hint="--interleave")
+        if interleave != "trial" and base_url:
+            raise typer.BadParameter("interleaves the servers this command starts; not with "
+                                     "--base-url (one column)", param_hint="--interleave")
+        meta["interleave"] = interleave
         if base_url:
             console.print(f"measuring the running server at {base_url} (one column, 'external')")
         elif engine == "sglang":
@@ -232,12 +244,14 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         title = (f"kvflow bench workflow: {variant} of {agents} agents, {fixed}/{dynamic}/{output} tokens, "
                  f"{workflows} workflow(s) x {rounds} round(s) x {trials} trial(s), {model}"
                  + (" on stock SGLang 0.5.23" if engine == "sglang" else "")
-                 + ("" if hints == "on" else f", hints: {hints}"))
+                 + ("" if hints == "on" else f", hints: {hints}")
+                 + (", rounds interleaved" if interleave == "round" else ""))
         _run_and_report(
             lambda hook, log: run_workflow_bench(spec, pols, server, counter=counter, base_url=base_url,
                                                  model=served_model or model, api_key=api_key,
                                                  trials=trials, stream=stream, progress=hook,
-                                                 keep_raw=raw, fresh_servers=fresh_servers, log=log),
+                                                 keep_raw=raw, fresh_servers=fresh_servers,
+                                                 interleave=interleave, log=log),
             console, meta, title=title,
             targets=() if base_url else report.PAPER_TARGETS if regime is not None else report.WORKFLOW_TARGETS,
             progress=progress, raw=raw, json_out=json_out, plot_out=plot_out, wide=wide)

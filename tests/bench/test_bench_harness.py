@@ -391,6 +391,55 @@ def test_measured_rounds_run_on_a_collected_frozen_heap():
     assert gc.get_freeze_count() == 0                # and nothing stays frozen after the trial
 
 
+def test_round_interleave_runs_round_k_on_every_server_before_round_k_plus_1():
+    """``--interleave round``: every server's warm-up, then measured round k on each server
+    (the order rotated per round), one round a barrier across that server's workflows; each
+    server's workflows end after its last round. The result per server is what a whole-trial
+    run gives: every call and round, measured ones flagged; measured_s sums its rounds' wall time."""
+    from kvflow_agents.bench import runner
+
+    spec = WorkloadSpec(agents=2, fixed=40, dynamic=8, output=2, rounds=3, warmup_rounds=1,
+                        workflows=2)
+    seen: list = []
+    with RecordingOpenAIServer(reply=lambda body: "x y") as a, \
+            RecordingOpenAIServer(reply=lambda body: "x y") as b:
+        srv = {"a": a, "b": b}
+        got = runner._run_interleaved(
+            ["a", "b"], 0, spec, {p: s.base_url for p, s in srv.items()}, "stub",
+            counter=ByteLevelCounter(), api_key=None,
+            on_call={p: (lambda rec, p=p: seen.append((p, rec.round))) for p in srv})
+        ends = {p: [e for e in s.hint_posts() if (e.body or {}).get("kvflow_event") == "end"]
+                for p, s in srv.items()}
+        reqs = {p: s.llm_requests() for p, s in srv.items()}
+    blocks = [k for i, k in enumerate(seen) if i == 0 or seen[i - 1] != k]
+    assert blocks == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3)]
+    assert all(seen.count(k) == spec.workflows * spec.agents for k in blocks)
+    for p, (res, delta) in got.items():
+        assert delta is None    # a server without cache counters: no delta, nothing invented
+        assert len(res.calls) == 2 * 2 * 4 and sum(c.measured for c in res.calls) == 2 * 2 * 3
+        measured = [r for r in res.rounds if r.measured]
+        assert sorted((r.workflow, r.round) for r in measured) == [(w, k) for w in (0, 1) for k in (1, 2, 3)]
+        longest = {k: max(r.latency_s for r in measured if r.round == k) for k in (1, 2, 3)}
+        assert sum(longest.values()) <= res.measured_s     # a round's wall time, barriers included
+        names = sorted(e.body["kvflow_workflow"] for e in ends[p])
+        assert len(names) == 2 and all(n.startswith(f"bench-{p}-t0-") for n in names)
+        assert [n[-4:] for n in names] == ["-wf0", "-wf1"]
+        assert min(e.time for e in ends[p]) >= max(r.time for r in reqs[p])
+
+
+def test_interleave_is_checked():
+    from kvflow_agents.bench import runner
+
+    with pytest.raises(ValueError, match="interleave"):
+        runner.run_workflow_bench(WorkloadSpec(), ["lru"], None, counter=ByteLevelCounter(),
+                                  base_url="http://127.0.0.1:9/v1", interleave="call")
+    r = CliRunner().invoke(app, ["bench", "workflow", "--interleave", "call"], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "--interleave" in r.output and "trial, round" in r.output
+    r = CliRunner().invoke(app, ["bench", "workflow", "--interleave", "round", "--base-url",
+                                 "http://127.0.0.1:9/v1"], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and "not with --base-url" in r.output
+
+
 def test_fresh_servers_start_each_trial_on_new_processes(server_set_pids):
     """``--fresh-servers``: every trial runs on servers started for it (so one process's luck is
     drawn again per trial); the trials' calls are merged as with one server per policy."""
