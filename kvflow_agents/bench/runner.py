@@ -226,8 +226,9 @@ def _add_counters(acc: Optional[dict], d: Optional[dict]) -> Optional[dict]:
 
 def decode_step_s(delta: Optional[dict]) -> Optional[float]:
     """Model seconds per batched decode step over a counter delta: how fast the serving process
-    ran (per process, it differs by up to ~20 % for the same code, RESULTS.md §6.25), read off
-    work every policy does alike. ``None`` without engine counters or decode steps."""
+    ran over it (up to ~20 % apart for the same code, RESULTS.md §6.25: mostly the machine's
+    speed drifting over seconds to minutes, §6.55), read off work every policy does alike.
+    ``None`` without engine counters or decode steps."""
     n = (delta or {}).get("engine_decode_steps")
     return delta["engine_decode_forward_s"] / n if n else None
 
