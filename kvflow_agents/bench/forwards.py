@@ -9,10 +9,16 @@ them (caches, memory traffic, page layout) or whether its processes drew slower 
 Here every policy's :class:`~kvflow_agents.serving.embedded.engine.Engine` lives in this one
 process (weights shared, one torch thread) and the workload is the paper's cycle with one
 workflow per engine: each call goes to every engine in turn, the order rotated per call, so
-what slows the process slows them all alike. Per repetition (fresh engines, one unmeasured
-warm-up round) the engines' own counters give the model's seconds per decode step and per
-prefill call; the figure per policy is its ratio to the oracle's, as a geometric mean over
-repetitions with a 90 % bootstrap interval over them (``stats.paired_bootstrap``).
+what slows the process slows them all alike. With ``workflows > 1`` each engine serves that
+many concurrent workflows (one client thread each, prompts of their own) and the engines
+take turns round by round instead, the order rotated per round. Per repetition (fresh
+engines, one unmeasured warm-up round) the engines' own counters give the model's seconds
+per decode step and per prefill call, and the client the wall time per call; the figure per
+policy is its ratio to the oracle's, as a geometric mean over repetitions with a 90 %
+bootstrap interval over them (``stats.paired_bootstrap``). The wall time counts what the
+engine does between forwards (a policy's planning, evictions and copies) and, in this one
+process, the client threads' Python beside the engine on the GIL and the cores: read its
+ratio as an upper bound of what a served engine, in a process of its own, pays.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import contextlib
 import math
 import random
 import textwrap
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -37,6 +45,7 @@ class ForwardTimes:
     decode_steps: list = field(default_factory=list)
     prefill_s: list = field(default_factory=list)      # model seconds in prefill forwards
     calls: int = 0                                     # measured calls per repetition
+    wall_s: list = field(default_factory=list)         # per repetition: the calls' wall time
     load_pages: int = 0                                # pages loaded from host, all repetitions
                                                        # (warm-up rounds included)
 
@@ -46,14 +55,18 @@ class ForwardTimes:
     def prefill_ms(self) -> list:
         return [1e3 * s / self.calls if self.calls else math.nan for s in self.prefill_s]
 
+    def wall_ms(self) -> list:
+        return [1e3 * s / self.calls if self.calls else math.nan for s in self.wall_s]
+
     def as_dict(self) -> dict:
         return {**asdict(self), "decode_ms_per_step": self.decode_ms(),
-                "prefill_ms_per_call": self.prefill_ms()}
+                "prefill_ms_per_call": self.prefill_ms(), "wall_ms_per_call": self.wall_ms()}
 
 
 def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], agents: int = 10,
                        fixed: int = 1024, dynamic: int = 32, output: int = 16, rounds: int = 5,
                        reps: int = 7, device_fraction: float = 0.4, host_link_gbps: float = 0.07,
+                       workflows: int = 1,
                        progress: Optional[Callable[[str], None]] = None) -> list[ForwardTimes]:
     """The interleaved in-process runs (module doc); ``policies`` must include the oracle."""
     import torch
@@ -64,47 +77,71 @@ def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], a
 
     if REFERENCE not in policies:
         raise ValueError(f"the {REFERENCE} is the reference: include it in the policies")
+    if workflows < 1:
+        raise ValueError("workflows must be >= 1")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the benches' servers; restored below
     try:
         loaded = load_model(model, "cpu", None)
         rng, tokens = random.Random(0), token_counter(model)
         names = [f"agent_{i}" for i in range(agents)]
-        system = {a: tokens.make_text(fixed, rng, lead=f"[{a}]") for a in names}
+        system = {(w, a): tokens.make_text(fixed, rng, lead=f"[{w}{a}]")
+                  for w in range(workflows) for a in names}
         # at least two calls' worth (with the chat template's tokens), as the workflow bench
-        device = max(2 * (fixed + dynamic + output + 128), int(device_fraction * agents * fixed))
-        host = 4 * agents * (fixed + dynamic + output)
-        out = {p: ForwardTimes(p, calls=rounds * agents) for p in policies}
+        device = max(2 * (fixed + dynamic + output + 128), int(device_fraction * agents * fixed * workflows))
+        host = 4 * agents * workflows * (fixed + dynamic + output)
+        out = {p: ForwardTimes(p, calls=rounds * agents * workflows) for p in policies}
         for rep in range(reps):
             with contextlib.ExitStack() as stack:
                 engines = {p: stack.enter_context(Engine(
                     loaded=loaded, model=model, policy=p, device_tokens=device, host_tokens=host,
                     host_link_gbps=host_link_gbps, torch_threads=1)) for p in policies}
+                wall = dict.fromkeys(policies, 0.0)
 
-                def run(n_rounds: int, first_step: int) -> None:
-                    for r in range(n_rounds):
-                        for i, a in enumerate(names):
-                            step = first_step + r * agents + i
-                            msgs = [{"role": "system", "content": system[a]},
-                                    {"role": "user",
-                                     "content": tokens.make_text(dynamic, rng, lead=str(step))}]
-                            ste = {names[(i + k) % agents]: k for k in range(agents)}
-                            k = step % len(policies)
-                            for p in list(policies[k:]) + list(policies[:k]):
-                                h = Hints(workflow=f"w{rep}", agent=a, step=step, ste=ste,
-                                          fixed_messages=1)
-                                engines[p].chat(msgs, hints=h, max_tokens=output, temperature=0,
-                                                ignore_eos=True)
+                def call(p: str, w: int, step: int, measured: bool) -> None:
+                    a, i = names[step % agents], step % agents
+                    # the same call for every engine: its dynamic part drawn from its own seed
+                    user = tokens.make_text(dynamic, random.Random(f"{rep}.{w}.{step}"), lead=f"{w}.{step}")
+                    msgs = [{"role": "system", "content": system[(w, a)]},
+                            {"role": "user", "content": user}]
+                    h = Hints(workflow=f"w{rep}-{w}", agent=a, step=step, fixed_messages=1,
+                              ste={names[(i + k) % agents]: k for k in range(agents)})
+                    t0 = time.perf_counter()
+                    engines[p].chat(msgs, hints=h, max_tokens=output, temperature=0, ignore_eos=True)
+                    if measured and workflows == 1:
+                        wall[p] += time.perf_counter() - t0
 
-                run(1, 0)  # warm-up: every prefix computed once, caches and allocator settled
+                def run(r0: int, n_rounds: int, measured: bool) -> None:
+                    for r in range(r0, r0 + n_rounds):
+                        if workflows == 1:  # call by call, every engine in turn
+                            for step in range(r * agents, (r + 1) * agents):
+                                k = step % len(policies)
+                                for p in list(policies[k:]) + list(policies[:k]):
+                                    call(p, 0, step, measured)
+                            continue
+                        k = r % len(policies)  # round by round, each engine's workflows at once
+                        for p in list(policies[k:]) + list(policies[:k]):
+                            t0 = time.perf_counter()
+                            clients = [threading.Thread(target=lambda p=p, w=w: [
+                                call(p, w, step, measured) for step in range(r * agents, (r + 1) * agents)])
+                                for w in range(workflows)]
+                            for c in clients:
+                                c.start()
+                            for c in clients:
+                                c.join()
+                            if measured:
+                                wall[p] += time.perf_counter() - t0
+
+                run(0, 1, False)  # warm-up: every prefix computed once, caches and allocator settled
                 before = {p: e.call(lambda x: dict(x.counters)) for p, e in engines.items()}
-                run(rounds, agents)
+                run(1, rounds, True)
                 for p, e in engines.items():
                     c = e.call(lambda x: (dict(x.counters), x.pool.stats.get("load_pages", 0)))
                     t, b = out[p], before[p]
                     t.decode_s.append(c[0]["decode_forward_s"] - b["decode_forward_s"])
                     t.decode_steps.append(c[0]["decode_steps"] - b["decode_steps"])
                     t.prefill_s.append(c[0]["prefill_forward_s"] - b["prefill_forward_s"])
+                    t.wall_s.append(wall[p])
                     t.load_pages += c[1]
             if progress:
                 progress(f"repetition {rep + 1}/{reps}")
@@ -113,15 +150,19 @@ def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], a
         torch.set_num_threads(threads)
 
 
+FIGURES = (("decode", "decode ms / step"), ("prefill", "prefill ms / call"), ("wall", "wall ms / call"))
+
+
 def ratios(results: Sequence[ForwardTimes]) -> dict:
-    """Per policy and figure (``decode``, ``prefill``): the per-repetition ratios to the oracle,
-    their geometric mean and its 90 % bootstrap interval over repetitions."""
+    """Per policy and figure (``decode``, ``prefill``, ``wall``): the per-repetition ratios to
+    the oracle, their geometric mean and its 90 % bootstrap interval over repetitions."""
     ref = next(r for r in results if r.policy == REFERENCE)
     out = {}
     for r in results:
         out[r.policy] = {}
         for name, mine, theirs in (("decode", r.decode_ms(), ref.decode_ms()),
-                                   ("prefill", r.prefill_ms(), ref.prefill_ms())):
+                                   ("prefill", r.prefill_ms(), ref.prefill_ms()),
+                                   ("wall", r.wall_ms(), ref.wall_ms())):
             logs = [math.log(a / b) for a, b in zip(mine, theirs) if a > 0 and b > 0]
             if not logs:
                 out[r.policy][name] = None
@@ -134,35 +175,33 @@ def ratios(results: Sequence[ForwardTimes]) -> dict:
 
 
 def render_table(results: Sequence[ForwardTimes], title: str):
+    """One row per figure (its median over repetitions, then its ratio to the oracle's and the
+    interval), one column per policy: fits 80 columns for up to five policies."""
     from rich import box
     from rich.table import Table
 
     rat = ratios(results)
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for name, just in (("policy", "left"), ("decode ms", "right"), ("x oracle", "right"),
-                       ("90% CI", "right"), ("prefill ms", "right"), ("x oracle", "right"),
-                       ("90% CI", "right"), ("pages loaded", "right")):
-        t.add_column(name, justify=just, no_wrap=name == "90% CI",
-                     min_width={"90% CI": 9, "prefill ms": 7}.get(name))
+    t.add_column("metric", justify="left")
+    for r in results:
+        t.add_column(r.policy, justify="right", no_wrap=True, min_width=9)
 
     def med(xs):
         xs = sorted(x for x in xs if not math.isnan(x))
         return xs[len(xs) // 2] if xs else math.nan
 
-    def cells(v):
-        if v is None:
-            return "-", "-"
-        ci = v["ci"]
-        return f"{v['ratio']:.3f}", (f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-")
-
-    for r in results:
-        t.add_row(r.policy, f"{med(r.decode_ms()):.3f}", *cells(rat[r.policy]["decode"]),
-                  f"{med(r.prefill_ms()):.3f}", *cells(rat[r.policy]["prefill"]), str(r.load_pages))
+    for name, label in FIGURES:
+        t.add_row(label, *(f"{med(getattr(r, name + '_ms')()):.3f}" for r in results))
+        vs = [rat[r.policy][name] for r in results]
+        t.add_row("  x oracle", *("-" if v is None else f"{v['ratio']:.3f}" for v in vs))
+        t.add_row("  90% CI", *("-" if v is None or not v["ci"] else f"{v['ci'][0]:.2f}-{v['ci'][1]:.2f}"
+                                for v in vs))
+    t.add_row("pages loaded", *(str(r.load_pages) for r in results))
     return t
 
 
 def plot(results: Sequence[ForwardTimes], path: str, title: str) -> None:
-    """Bars: each policy's decode-step and prefill ratio to the oracle, with the intervals."""
+    """Bars: each policy's decode-step, prefill and wall-time ratio to the oracle, with the intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,13 +210,12 @@ def plot(results: Sequence[ForwardTimes], path: str, title: str) -> None:
     rat = ratios(results)
     pols = [r.policy for r in results]
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    for j, name in enumerate(("decode", "prefill")):
-        xs = [i + (j - 0.5) * 0.38 for i in range(len(pols))]
+    for j, (name, label) in enumerate(FIGURES):
+        xs = [i + (j - 1) * 0.27 for i in range(len(pols))]
         vals = [rat[p][name]["ratio"] if rat[p][name] else math.nan for p in pols]
         lo = [v - (rat[p][name]["ci"] or (v, v))[0] if rat[p][name] else 0 for p, v in zip(pols, vals)]
         hi = [(rat[p][name]["ci"] or (v, v))[1] - v if rat[p][name] else 0 for p, v in zip(pols, vals)]
-        ax.bar(xs, vals, width=0.36, yerr=[lo, hi], capsize=3,
-               label=f"{name} (model ms per {'step' if name == 'decode' else 'call'})")
+        ax.bar(xs, vals, width=0.26, yerr=[lo, hi], capsize=3, label=label)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     tops = [c[1] for p in pols for v in rat[p].values() if v and (c := v["ci"] or (v["ratio"],) * 2)]
     lows = [c[0] for p in pols for v in rat[p].values() if v and (c := v["ci"] or (v["ratio"],) * 2)]

@@ -136,12 +136,16 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         device_fraction: float = typer.Option(0.4, help="Device pool as a fraction of the fixed prompts."),
         host_link_gbps: float = typer.Option(0.07, help="Emulated host link (GB/s; the 2-core box "
                                              "calibrates 0.06-0.08 for tiny-random)."),
+        workflows: int = typer.Option(1, min=1, help="Concurrent workflows per engine (one client "
+                                      "thread each, prompts of their own); above 1 the engines "
+                                      "take turns round by round instead of call by call."),
         json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here ('-': stdout only)."),
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
     ) -> None:
-        """Model seconds per decode step and per prefill under each policy, on engines in this one
-        process with calls interleaved, relative to the oracle's: whether a policy's cache work
-        slows the forwards, free of the processes' speed (the workflow benches' caveat lines)."""
+        """Model seconds per decode step and per prefill, and wall time per call, under each
+        policy, on engines in this one process with calls (or, with --workflows, rounds)
+        interleaved, relative to the oracle's: whether a policy's cache work slows the forwards
+        or the engine, free of the machine's drift (the workflow benches' caveat lines)."""
         from rich.console import Console
 
         from kvflow_agents.bench import forwards
@@ -156,15 +160,16 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             res = forwards.run_forwards_bench(
                 model=model, policies=pols, agents=agents, fixed=fixed, dynamic=dynamic,
                 output=output, rounds=rounds, reps=reps, device_fraction=device_fraction,
-                host_link_gbps=host_link_gbps,
+                host_link_gbps=host_link_gbps, workflows=workflows,
                 progress=lambda s: status.update(f"measuring: {s} …") if json_out != "-" else None)
         doc = {"bench": "forwards", "model": model, "agents": agents, "fixed": fixed,
                "dynamic": dynamic, "output": output, "rounds": rounds, "reps": reps,
                "device_fraction": device_fraction, "host_link_gbps": host_link_gbps,
-               "command": command_line("forwards"),
+               "workflows": workflows, "command": command_line("forwards"),
                "results": [r.as_dict() for r in res], "ratios": forwards.ratios(res)}
         title = (f"kvflow bench forwards: {model}, cycle of {agents} agents, {fixed}/{dynamic}/"
-                 f"{output} tokens, {reps} x {rounds} rounds, one process, calls interleaved; model ms "
-                 f"per decode step and per call's prefill")
+                 f"{output} tokens, {workflows} workflow(s), {reps} x {rounds} rounds, one process, "
+                 f"{'calls' if workflows == 1 else 'rounds'} interleaved; model ms per decode step and "
+                 f"per call's prefill, wall ms per call")
         emit_document(console, doc, forwards.render_table(res, title), json_out=json_out,
                       plot=(lambda: forwards.plot(res, plot_out, title)) if plot_out else None)

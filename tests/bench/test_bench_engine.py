@@ -69,20 +69,43 @@ def test_forwards_bench_interleaves_the_same_calls_on_every_policy(tmp_path):
     work was in the measurement), ratios to the oracle per repetition; the table fits 80
     columns; the oracle is required."""
     out, png = tmp_path / "f.json", tmp_path / "f.png"
-    r = CliRunner().invoke(app, ["bench", "forwards", "--policies", "kvflow,oracle", "--agents", "4",
+    r = CliRunner().invoke(app, ["bench", "forwards", "--policies", "kvflow,oracle", "--agents", "6",
                                  "--fixed", "128", "--rounds", "2", "--reps", "2", "--json", str(out),
                                  "--plot", str(png)], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     assert max(len(x) for x in r.output.splitlines()) <= 80 and png.stat().st_size > 1000
     doc = json.loads(out.read_text())
     res = {x["policy"]: x for x in doc["results"]}
-    assert res["kvflow"]["decode_steps"] == res["oracle"]["decode_steps"] == [2 * 4 * 15] * 2
+    assert res["kvflow"]["decode_steps"] == res["oracle"]["decode_steps"] == [2 * 6 * 15] * 2
     assert res["kvflow"]["load_pages"] > 0 and res["oracle"]["load_pages"] == 0
     rat = doc["ratios"]
     assert rat["oracle"]["decode"]["ratio"] == 1.0 and len(rat["kvflow"]["decode"]["reps"]) == 2
-    for name in ("decode", "prefill"):
+    for name in ("decode", "prefill", "wall"):
         v = rat["kvflow"][name]
         lo, hi = v["ci"]
         assert lo <= v["ratio"] <= hi and v["ratio"] > 0
+    assert all(len(res[p]["wall_ms_per_call"]) == 2 and min(res[p]["wall_ms_per_call"]) > 0
+               for p in res)
     bad = CliRunner().invoke(app, ["bench", "forwards", "--policies", "kvflow,hicache"])
     assert bad.exit_code == 2 and "oracle" in bad.output
+
+
+def test_forwards_bench_with_concurrent_workflows_takes_turns_by_round(tmp_path):
+    """``--workflows 3``: each engine serves three workflows at once (its decode steps batch
+    them: fewer steps than calls x tokens), every engine the same calls; the wall time per call
+    is the client's, over the measured rounds; the pool is sized for all three workflows'
+    prompts, so kvflow still loads from host."""
+    out = tmp_path / "f.json"
+    r = CliRunner().invoke(app, ["bench", "forwards", "--policies", "kvflow,oracle", "--agents", "4",
+                                 "--fixed", "128", "--rounds", "2", "--reps", "2", "--workflows", "3",
+                                 "--json", str(out)], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert max(len(x) for x in r.output.splitlines()) <= 80 and "rounds interleaved" in r.output
+    doc = json.loads(out.read_text())
+    res = {x["policy"]: x for x in doc["results"]}
+    assert doc["workflows"] == 3 and res["kvflow"]["calls"] == res["oracle"]["calls"] == 2 * 4 * 3
+    for p in res:   # 24 calls x 15 decode steps each, batched three at most
+        assert all(2 * 4 * 15 <= n < 2 * 4 * 3 * 15 for n in res[p]["decode_steps"])
+        assert min(res[p]["wall_ms_per_call"]) > 0
+    assert res["kvflow"]["load_pages"] > 0 and res["oracle"]["load_pages"] == 0
+    assert doc["ratios"]["oracle"]["wall"]["ratio"] == 1.0
