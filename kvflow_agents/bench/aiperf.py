@@ -363,7 +363,7 @@ def run_aiperf_bench(*, aiperf_bin: str, spec, counter, policies: Sequence[str],
 
     from .runner import (ServerSet, _add_counters, decode_step_s, fetch_cache_metrics,
                          finish_counters, metrics_delta, rotated, warm_kernels)
-    from .workload import WorkflowDriver
+    from .driver import WorkflowDriver
 
     per: dict[str, list[dict]] = {p: [] for p in policies}
     counters: dict[str, Optional[dict]] = {}

@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 from .server import serve_args
-from .workload import CallRecord, WorkflowDriver, WorkloadSpec, summarize_calls, token_counter
+from .driver import WorkflowDriver
+from .workload import CallRecord, WorkloadSpec, summarize_calls, token_counter
 
 DEFAULT_POLICIES = ("cache_aware", "round_robin", "manual", "consistent_hashing")
 RECOVERY_FRACTION = 0.9

@@ -28,9 +28,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from kvflow_agents.serving.policy.policies import POLICIES as _REGISTRY
 from kvflow_agents.serving.policy.policies import is_reference
 
+from .driver import WorkflowDriver
 from .server import BenchServer, serve_args
-from .workload import (CallRecord, TokenCounter, WorkflowDriver, WorkloadResult, WorkloadSpec,
-                       summarize_calls)
+from .workload import CallRecord, TokenCounter, WorkloadResult, WorkloadSpec, summarize_calls
 
 POLICIES = tuple(_REGISTRY)   # every registered policy can be a column
 ORACLES = tuple(p for p in POLICIES if is_reference(p))   # references, not contenders

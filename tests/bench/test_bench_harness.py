@@ -19,8 +19,9 @@ from typer.testing import CliRunner
 
 from kvflow_agents.bench import report
 from kvflow_agents.bench.runner import metrics_delta, parse_policies, rotated
-from kvflow_agents.bench.workload import (ByteLevelCounter, Prompts, TokenCounter, WorkflowDriver,
-                                          WorkloadSpec, build_graph, fixed_prompt_tokens, steps)
+from kvflow_agents.bench.driver import WorkflowDriver
+from kvflow_agents.bench.workload import (ByteLevelCounter, Prompts, TokenCounter, WorkloadSpec,
+                                          build_graph, fixed_prompt_tokens, steps)
 from kvflow_agents.cli.main import app
 from kvflow_agents.testing import RecordingOpenAIServer
 

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from kvflow_agents.bench.hint_modes import HINT_MODES, HintMangler, check_mode
-from kvflow_agents.bench.workload import ByteLevelCounter, WorkflowDriver, WorkloadSpec
+from kvflow_agents.bench.driver import WorkflowDriver
+from kvflow_agents.bench.workload import ByteLevelCounter, WorkloadSpec
 from kvflow_agents.context import current_hints, hints, set_hint_transform
 from kvflow_agents.protocol import Hints
 from kvflow_agents.testing import RecordingOpenAIServer
