@@ -285,7 +285,7 @@ AIPERF_ROWS = (("TTFT avg (ms)", "ttft_avg_ms", "{:.1f}"), ("TTFT p50 (ms)", "tt
 
 def rows(results) -> list[tuple[str, list[str]]]:
     """AIPerf's metrics (one row each), then throughput ratios, then ours (hits, loads, saving)."""
-    from . import report
+    from . import report_rows
 
     out = []
     for name, key, fmt in AIPERF_ROWS:
@@ -303,14 +303,14 @@ def rows(results) -> list[tuple[str, list[str]]]:
         if thr.get(base):
             out.append((f"throughput vs {base}", [f"{thr[r.policy] / thr[base]:.2f}x" if thr.get(r.policy) else "-"
                                                    for r in results]))
-    ours = dict(report.rows(results, wide=False))
+    ours = dict(report_rows.rows(results, wide=False))
     for name in ("hit device (usage)", "load hidden (s)", "load exposed (s)", "prefetch used/issued",
                  "speedup vs lru", "speedup vs hicache", "saving vs lru", "saving vs hicache"):
         if name in ours:
             label = "ours: " + name.replace(" (usage)", "").replace("speedup", "session speedup")
             if name.startswith("hit"):   # the usage rows need per-call records; use the server's
                 label, vals = "ours: hit device (server)", [
-                    report._fmt((r.server or {}).get("device_rate"), "%") for r in results]
+                    report_rows.fmt((r.server or {}).get("device_rate"), "%") for r in results]
             else:
                 vals = ours[name]
             out.append((label, vals))

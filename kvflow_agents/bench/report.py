@@ -21,8 +21,8 @@ achievable saving with every trial moved to the run's mean process speed, which 
 of what one server process's luck does to a trial (JSON ``speed_adjusted``; targets stay
 judged on the raw figures).
 
-The bootstrapped figures are computed once per report (:class:`Figures`) and handed to the
-table, the target lines and the JSON alike.
+The bootstrapped figures are computed once per report (:class:`~.figures.Figures`) and handed
+to the table (its rows: :mod:`.report_rows`), the target lines and the JSON alike.
 
 The terminal table fits 80 columns (short row names, one number per cell); ``wide=True`` adds
 every row (per-tier match split, tokens, mean-based ratios). ``--json`` has all of them.
@@ -34,14 +34,12 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass
-from functools import cached_property
-from statistics import mean
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-from . import speed
+from .figures import Figures
+from .report_rows import rows
 from .runner import PolicyResult
-from .stats import (BASELINES, CI_LEVEL, LATENCY_KEY, MEAN_KEY, annotate_cache_cost, cost_saving, ratios,
-                    saving_ratios)
+from .stats import CI_LEVEL, LATENCY_KEY, MEAN_KEY, annotate_cache_cost, cost_saving, ratios
 
 
 @dataclass
@@ -67,59 +65,7 @@ PEER_TARGETS = (Target("kvflow", "lru", ">=", 1.15), Target("kvflow", "hicache",
                 *SAVING_TARGETS)
 
 
-# ------------------------------------------------------------------------------ figures and targets
-class Figures:
-    """The bootstrapped figures of one run (each a seeded 4,000-resample bootstrap per policy
-    and baseline), each computed at most once, when first asked for, so the table, the target
-    lines and the JSON of a report share them. Seeded: sharing changes no number."""
-
-    def __init__(self, results: Sequence[PolicyResult]):
-        self.results = results
-
-    @cached_property
-    def saving(self) -> dict:
-        """:func:`.stats.saving_ratios` against the oracle."""
-        return saving_ratios(self.results)
-
-    @cached_property
-    def saving_same_pool(self) -> dict:
-        """:func:`.stats.saving_ratios` against the pool oracle (``{}`` without its column)."""
-        return saving_ratios(self.results, oracle="oracle-pool")
-
-    @cached_property
-    def adjusted(self) -> Optional[speed.AdjustedRun]:
-        """:func:`.speed.adjusted_run` (``None`` without per-trial decode speeds)."""
-        return speed.adjusted_run(self.results, self.speed_fit)  # (one fit per run)
-
-    @cached_property
-    def speed(self) -> Optional[dict]:
-        """:func:`.speed.speed_summary` (``None`` without per-trial decode speeds, or a fit too
-        imprecise to use: :attr:`speed_fit`)."""
-        return speed.speed_summary(self.results, self.adjusted)
-
-    @cached_property
-    def speed_fit(self) -> Optional[speed.ElasticityFit]:
-        """:func:`.speed.fit_elasticity`, used or not (``None``: no per-trial decode speeds)."""
-        return speed.fit_elasticity(self.results)
-
-    @property
-    def speed_withheld(self) -> Optional[str]:
-        """Why a run with per-trial speeds shows no adjusted figures (``None``: it shows them,
-        or it has no speeds)."""
-        fit = self.speed_fit
-        return fit.withheld_line() if fit is not None and not fit.usable else None
-
-    @cached_property
-    def latency_vs_oracle(self) -> dict:
-        """Per policy, its per-trial latency over the oracle's, raw and speed-adjusted
-        (:func:`.speed.paired_ratio`): ``{"raw": {policy: ...}, "adjusted": {policy: ...}}``."""
-        if self.speed:
-            return {"raw": self.speed["latency_vs_oracle"],
-                    "adjusted": self.speed["latency_vs_oracle_adjusted"]}
-        return {"raw": {r.policy: speed.paired_ratio(self.results, r.policy)
-                        for r in self.results if r.policy != "oracle"}, "adjusted": {}}
-
-
+# ------------------------------------------------------------------------------ targets
 def check_targets(results: Sequence[PolicyResult], targets: Sequence[Target], *,
                   figures: Optional[Figures] = None) -> list[dict]:
     """Each target judged on the median-based figure, with the mean-based one beside it (and
@@ -205,179 +151,6 @@ def results_from_json(doc: dict) -> list[PolicyResult]:
 
 
 # ------------------------------------------------------------------------------ table
-def _fmt(v: Any, kind: str) -> str:
-    if v is None:
-        return "-"
-    if kind == "s":
-        return f"{v:.3f}"
-    if kind == "ms":
-        return f"{v * 1e3:.1f}"
-    if kind == "%":
-        return f"{v * 100:.1f}%"
-    if kind == "x":
-        return f"{v:.2f}x"
-    if kind == "int":
-        return f"{int(v)}"
-    if kind == "f2":
-        return f"{v:.2f}"
-    return str(v)
-
-
-def _range(xs: Sequence[Optional[float]], kind: str) -> str:
-    """``lo-hi`` in at most 11 characters (seconds >= 10 with one decimal)."""
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "-"
-    if kind == "s" and max(xs) >= 10:
-        lo, hi = f"{min(xs):.1f}", f"{max(xs):.1f}"
-    else:
-        lo, hi = _fmt(min(xs), kind), _fmt(max(xs), kind)
-    return lo if lo == hi else f"{lo}-{hi}"
-
-
-def _wasted(server: Optional[dict]) -> str:
-    """``15 (alloc 7, grow 4, workflow_end 4)``: wasted prefetches by what took them."""
-    if not server or server.get("prefetch_wasted") is None:
-        return "-"
-    by = sorted((server.get("prefetch_wasted_by") or {}).items(), key=lambda kv: (-kv[1], kv[0]))
-    causes = ", ".join(f"{k} {v}" for k, v in by if v)
-    return f"{server['prefetch_wasted']}" + (f" ({causes})" if causes else "")
-
-
-def rows(results: Sequence[PolicyResult], wide: bool = True, *,
-         figures: Optional[Figures] = None) -> list[tuple[str, list[str]]]:
-    """The table's rows. Narrow (``wide=False``): short names, one value per cell, so the table
-    fits 80 columns with four policies; wide: every row. ``figures``: the report's
-    :class:`Figures` of ``results`` (made here when left out)."""
-    fig = figures if figures is not None else Figures(results)
-    rat = ratios(results)
-    mrat = ratios(results, MEAN_KEY)
-    trat = ratios(results, "ttft_mean_s")
-    sav = fig.saving
-    psav = fig.saving_same_pool
-    csav = cost_saving(results)
-    adj = fig.adjusted.results if fig.adjusted else None
-    asav = fig.adjusted.saving if fig.adjusted else {}
-
-    def w(key, kind):
-        return [_fmt(r.workload.get(key), kind) for r in results]
-
-    def s(key, kind):
-        return [_fmt((r.server or {}).get(key), kind) for r in results]
-
-    def saving(base, what, sav=sav):
-        vals = []
-        for r in results:
-            x = sav.get(r.policy, {}).get(base)
-            if not x:
-                vals.append("-")
-            elif what in ("ratio", "ratio_mean"):
-                vals.append(_fmt(x.get(what), "f2"))
-            elif what == "ci":
-                vals.append(_range([x["ci"]["lo"], x["ci"]["hi"]], "f2") if x.get("ci") else "-")
-            else:
-                vals.append(_range([x["min"], x["max"]], "f2") if x["trials"] else "-")
-        return vals
-
-    raw_vs_o, adj_vs_o = ([fig.latency_vs_oracle[k].get(r.policy) for r in results]
-                          for k in ("raw", "adjusted"))
-
-    step_ms = [_fmt(mean(v for _, v in tr) if (tr := r.workload.get("decode_step_trials_s")) else None, "ms")
-               for r in results]
-    trial_p50 = [_range([v for _, v in (r.workload.get("workflow_latency_trials_s") or [])], "s")
-                 for r in results]
-    pf = [f"{_fmt((r.server or {}).get('prefetch_used'), 'int')}/"
-          f"{_fmt((r.server or {}).get('prefetch_issued'), 'int')}" if r.server else "-" for r in results]
-    narrow = [
-        ("workflow p50 (s)", w("workflow_latency_p50_s", "s")),
-        ("workflow mean (s)", w("workflow_latency_mean_s", "s")),
-        ("workflow p90 (s)", w("workflow_latency_p90_s", "s")),
-        ("trial p50s (s)", trial_p50),
-        ("TTFT mean (ms)", w("ttft_mean_s", "ms")),
-        ("after 1st token (ms)", w("after_first_token_mean_s", "ms")),
-        ("call mean (ms)", w("call_latency_mean_s", "ms")),
-        ("hit device (usage)", w("device_hit_rate", "%")),
-        ("hit host (usage)", w("host_hit_rate", "%")),
-        ("recomputed (usage)", w("miss_rate", "%")),
-        ("load hidden (s)", s("load_hidden_s", "s")),
-        ("load exposed (s)", s("load_exposed_s", "s")),
-        ("load wait (s)", w("load_wait_s", "s")),
-        ("prefetch used/issued", pf),
-        ("demand loads", s("demand_loads", "int")),
-        ("requests (errors)", [f"{r.workload.get('calls')} ({r.workload.get('errors')})" for r in results]),
-        ("speedup vs lru", [_fmt(rat[r.policy]["speedup_vs_lru"], "x") for r in results]),
-        ("speedup vs hicache", [_fmt(rat[r.policy]["speedup_vs_hicache"], "x") for r in results]),
-        ("latency vs oracle", [_fmt(rat[r.policy]["latency_vs_oracle"], "x") for r in results]),
-        ("saving vs lru", saving("lru", "ratio")),
-        ("  over trials", saving("lru", "range")),
-        ("saving vs hicache", saving("hicache", "ratio")),
-        ("  over trials", saving("hicache", "range")),
-        ("  mean", saving("hicache", "ratio_mean")),
-        (f"  {CI_LEVEL:.0%} CI (mean)", saving("hicache", "ci")),
-        *([("saving vs hicache, pool", saving("hicache", "ratio", psav)),
-           ("  over trials", saving("hicache", "range", psav))] if psav else []),
-        *([("model ms / decode step", step_ms),
-           ("vs oracle per trial", [f"{x['ratio']:.3f}" if x else "-" for x in raw_vs_o]),
-           ("  speed-adjusted", [f"{x['ratio']:.3f}" if x else "-" for x in adj_vs_o]),
-           (f"  {CI_LEVEL:.0%} CI", [_range([x["lo"], x["hi"]], "f2") if x else "-" for x in adj_vs_o]),
-           ("saving vs hicache, adj.", saving("hicache", "ratio", asav)),
-           ("  mean", saving("hicache", "ratio_mean", asav)),
-           (f"  {CI_LEVEL:.0%} CI (mean)", saving("hicache", "ci", asav)),
-           ("saving vs lru, adj.", saving("lru", "ratio", asav))] if adj else []),
-        ("cache cost (s)", w("cache_cost_s", "s")),
-        ("cost saving vs lru", [_fmt(csav.get(r.policy, {}).get("lru"), "f2") for r in results]),
-        ("cost saving vs hicache", [_fmt(csav.get(r.policy, {}).get("hicache"), "f2") for r in results]),
-    ]
-    if any("pool_bound" in r.workload for r in results):  # bench peer: the same-pool bound
-        narrow += pool_bound_rows(results)
-    if not wide:
-        return narrow
-    return narrow + [
-        ("TTFT p90 (ms)", w("ttft_p90_s", "ms")),
-        ("of TTFT: queued (ms)", w("queue_mean_s", "ms")),
-        ("match: device / host / loading / miss", [
-            " / ".join(_fmt((r.server or {}).get(f"{k}_rate"), "%") for k in ("device", "host", "loading", "miss"))
-            if r.server else "-" for r in results]),
-        ("load hidden fraction", s("load_hidden_fraction", "%")),
-        ("engine: forwards / KV copies (s)", [
-            f"{_fmt(r.server['engine_prefill_forward_s'] + r.server['engine_decode_forward_s'], 's')} / "
-            f"{_fmt(r.server.get('engine_copy_s'), 's')}"
-            if r.server and "engine_prefill_forward_s" in r.server else "-" for r in results]),
-        ("retractions (no room to decode)", s("retractions", "int")),
-        ("prefetch wasted (what took it)", [_wasted(r.server) for r in results]),
-        ("prefetched pages evicted unread", s("prefetch_evicted_pages", "int")),
-        ("prompt / output tokens", [f"{r.workload.get('prompt_tokens')} / {r.workload.get('completion_tokens')}"
-                                    for r in results]),
-        ("speedup vs lru / hicache (mean)", [
-            f"{_fmt(mrat[r.policy]['speedup_vs_lru'], 'x')} / {_fmt(mrat[r.policy]['speedup_vs_hicache'], 'x')}"
-            for r in results]),
-        ("latency vs oracle (mean)", [_fmt(mrat[r.policy]["latency_vs_oracle"], "x") for r in results]),
-        (f"saving vs lru, {CI_LEVEL:.0%} CI (mean)", saving("lru", "ci")),
-        ("saving vs lru / hicache (mean)", [
-            " / ".join(_fmt(sav.get(r.policy, {}).get(b, {}).get("ratio_mean"), "f2") for b in BASELINES)
-            for r in results]),
-        ("TTFT speedup vs lru", [_fmt(trat[r.policy]["speedup_vs_lru"], "x") for r in results]),
-    ]
-
-
-def pool_bound_rows(results: Sequence[PolicyResult]) -> list[tuple[str, list[str]]]:
-    """Reusable tokens missing from device vs what no policy could have had with the same pool,
-    and the share of hicache's excess over that bound removed (:mod:`.pool_bound`)."""
-    from .pool_bound import same_pool_saving
-
-    pb = {r.policy: r.workload.get("pool_bound") or {} for r in results}
-    base = pb.get("hicache", {}).get("device_miss")
-
-    def pair(v: dict) -> str:
-        if "device_miss" not in v:
-            return "-"
-        return f"{v['device_miss']} / {'-' if v.get('bound') is None else v['bound']}"
-
-    return [("missing / bound (tok)", [pair(pb[r.policy]) for r in results]),
-            ("same-pool saving", [
-                _fmt(same_pool_saving(base, pb[r.policy].get("device_miss"), pb[r.policy].get("bound"))
-                     if r.policy != "hicache" else None, "f2") for r in results])]
-
 
 _RANGE = re.compile(r"(-?[0-9][0-9.]*)-(-?[0-9][0-9.]*)")
 

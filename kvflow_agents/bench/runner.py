@@ -43,7 +43,10 @@ _COUNTERS = ("requests", "hit_tokens_device", "hit_tokens_host", "hit_tokens_loa
              "loads_declined", "declined_pages",  # host hits recomputed as cheaper than the link
              # the engine's own (``/kvflow/v1/cache``'s "engine", prefixed): how fast the process ran
              "engine_steps", "engine_decode_steps", "engine_prefill_forward_s", "engine_decode_forward_s",
-             "engine_copy_s", "engine_layerwise_loads", "engine_layerwise_wait_s")
+             "engine_copy_s", "engine_layerwise_loads", "engine_layerwise_wait_s",
+             # where the engine's time and CPU go beside its forwards: its busy steps' wall time,
+             # the engine thread's CPU, the engine's process's CPU, the HTTP process's CPU
+             "engine_busy_s", "engine_thread_cpu_s", "engine_process_cpu_s", "http_process_cpu_s")
 _BY_REASON = ("evictions", "evicted_pages", "prefetch_wasted_by")   # counters keyed by reason
 
 
@@ -110,8 +113,8 @@ def parse_policies(text: str) -> list[str]:
 
 # ------------------------------------------------------------------------------ server counters
 async def fetch_cache_metrics(base_url: str, api_key: Optional[str] = None) -> Optional[dict]:
-    """``GET /kvflow/v1/cache``'s ``metrics``, with its ``engine`` counters as ``engine_*``
-    (``None`` when the server has no such endpoint)."""
+    """``GET /kvflow/v1/cache``'s ``metrics``, with its ``engine`` counters as ``engine_*`` and
+    its ``http`` ones as ``http_*`` (``None`` when the server has no such endpoint)."""
     import httpx
 
     from kvflow_agents.oob import server_root
@@ -123,10 +126,13 @@ async def fetch_cache_metrics(base_url: str, api_key: Optional[str] = None) -> O
             if r.status_code != 200:
                 return None
             doc = r.json()
-            m, eng = doc.get("metrics"), doc.get("engine")
+            m = doc.get("metrics")
             if not isinstance(m, dict):
                 return None
-            return {**m, **({f"engine_{k}": v for k, v in eng.items()} if isinstance(eng, dict) else {})}
+            for part in ("engine", "http"):
+                got = doc.get(part)
+                m.update({f"{part}_{k}": v for k, v in got.items()} if isinstance(got, dict) else {})
+            return m
     except Exception:  # noqa: BLE001
         return None
 

@@ -143,7 +143,7 @@ def saving_ratios(results: Sequence[PolicyResult], oracle: str = "oracle") -> di
     unbounded oracle's saving that any policy could take with this pool).
 
     One bootstrap per policy and baseline: a report computes this once per reference and hands
-    it on (:class:`.report.Figures`)."""
+    it on (:class:`.figures.Figures`)."""
     by = {r.policy: r for r in results}
     if oracle not in by:
         return {}

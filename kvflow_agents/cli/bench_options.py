@@ -121,10 +121,11 @@ def _run_and_report(run, console, meta: dict, *, title: str, targets, progress: 
 def _emit(console, meta: dict, results, *, title: str, targets, raw: bool, json_path: Optional[str],
           plot_path: Optional[str], wide: bool = False) -> None:
     """The table (or the JSON on stdout with ``--json -``), the JSON file and the plot, from one
-    :class:`~kvflow_agents.bench.report.Figures` (its bootstrap runs once)."""
+    :class:`~kvflow_agents.bench.figures.Figures` (its bootstrap runs once)."""
     from kvflow_agents.bench import report
+    from kvflow_agents.bench.figures import Figures
 
-    fig = report.Figures(results)
+    fig = Figures(results)
     doc = report.to_json(meta, results, targets, raw=raw, figures=fig)
     if json_path == "-":
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")

@@ -15,7 +15,9 @@ loads read as ``device``). Sizes are in tokens, not pages, for a person debuggin
      "gaps": {"turn_gaps", "open_tool", "open_turn", "tool_opened", "turns_opened",
               "closed_by_request", "tool_expired", "agents_learned", "turns_tracked"},
      "engine": {"steps", "decode_steps", "prefill_forward_s", "decode_forward_s",
-                "layerwise_loads", "layerwise_wait_s", "copy_s"}}
+                "layerwise_loads", "layerwise_wait_s", "copy_s", "busy_s",
+                "thread_cpu_s", "process_cpu_s"},
+     "http": {"process_cpu_s"}}   # (added by the server: its HTTP process)
 
 ``engine.copy_s``: wall seconds copying KV between the tiers (loads and backups; CPU: on the
 engine thread, or on the copy thread with ``--copy-thread``; CUDA: the launches and the
@@ -23,7 +25,11 @@ backups' synchronous reads). A GPU's copy engine does the loads beside the forwa
 they take the forwards' cores, which is what this counter shows. ``engine.layerwise_loads``:
 prefills admitted while a load on their prefix was in flight (``--layerwise-load``), each
 reading a layer as it landed; ``layerwise_wait_s``: the seconds they waited on those layers
-(their compute hid the rest, counted in ``metrics.load_hidden_s``).
+(their compute hid the rest, counted in ``metrics.load_hidden_s``). ``engine.busy_s``: wall
+seconds of the engine's steps that did something (forwards, copies, scheduling and cache work
+between them); ``thread_cpu_s`` / ``process_cpu_s``: CPU seconds so far of the engine thread
+and of the process holding it (its own with ``--engine-process``). The benches take their
+differences over measured rounds: what a policy's engine costs per call beside its forwards.
 
 ``ste``/``priority`` ``null`` mean infinity (never again / not protected). With a ``tenant``
 (the server's tenancy), only that tenant's workflows are listed, under the ids it sent.
@@ -38,11 +44,12 @@ from typing import Optional
 # the engine's own counters a report carries beside the cache's: the benches read a process's
 # speed off them (model seconds per decode step) to pair trials run on different processes
 ENGINE_COUNTERS = ("steps", "decode_steps", "prefill_forward_s", "decode_forward_s",
-                   "layerwise_loads", "layerwise_wait_s")
+                   "layerwise_loads", "layerwise_wait_s", "busy_s")
 
 
 def cache_report(engine, tenant: Optional[str] = None) -> dict:
     from ..tenancy import visible_key
+    from .engine_loop import engine_cpu_times
 
     mgr = engine.manager
     mgr.tick(engine.pool.now())
@@ -83,7 +90,8 @@ def cache_report(engine, tenant: Optional[str] = None) -> dict:
         "metrics": {k: num(v) for k, v in snap["metrics"].items()},
         "gaps": snap["gaps"],
         "engine": {**{k: engine.counters[k] for k in ENGINE_COUNTERS},
-                   "copy_s": engine.pool.stats["load_s"] + engine.pool.stats["backup_s"]},
+                   "copy_s": engine.pool.stats["load_s"] + engine.pool.stats["backup_s"],
+                   **engine_cpu_times()},  # (this runs on the engine thread)
     }
 
 

@@ -231,7 +231,11 @@ class Engine(EngineAPI, EngineLoop):
                          "prefill_forward_s": 0.0, "decode_forward_s": 0.0,
                          # prefills admitted with their prefix's load in flight (layer-wise
                          # overlap) and the seconds they waited on its layers
-                         "layerwise_loads": 0, "layerwise_wait_s": 0.0}
+                         "layerwise_loads": 0, "layerwise_wait_s": 0.0,
+                         # wall seconds of the steps that did something (forwards, copies and
+                         # everything between them); the rest of the engine thread's life it
+                         # waits for work
+                         "busy_s": 0.0}
         self._sleep = time.sleep  # the layer-wise load wait (tests may count it instead)
         self._snapshot: dict = {}
         self._outbox: dict = {}            # outlet -> [(key, event)] of this step (BatchedSink)

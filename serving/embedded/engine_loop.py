@@ -103,6 +103,14 @@ def deliver_to_queues(items) -> None:
         q.put_nowait(ev)
 
 
+def engine_cpu_times() -> dict:
+    """CPU seconds so far of the calling thread and of its process. Called on the engine thread
+    (``_publish``, ``cache_report``), it reads the engine thread's own CPU, and that of the
+    process holding the engine (the engine's process with ``--engine-process``, else the whole
+    server): against ``busy_s``, what the engine spends beside its steps' wall time."""
+    return {"thread_cpu_s": time.thread_time(), "process_cpu_s": time.process_time()}
+
+
 class EngineLoop(ForwardSteps):
     """The engine thread's steps and commands (module doc); mixed into :class:`~.engine.Engine`."""
 
@@ -197,7 +205,9 @@ class EngineLoop(ForwardSteps):
         t0 = time.perf_counter()
         progress = self._step_once()
         if progress:
-            self.manager.observe_step(time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            self.counters["busy_s"] += dt
+            self.manager.observe_step(dt)
         return progress
 
     def _step_once(self) -> bool:
@@ -487,4 +497,5 @@ class EngineLoop(ForwardSteps):
             "host_pages": {"capacity": mgr.host.capacity, "used": mgr.host.num_used},
             "loads_in_flight": mgr.loads_in_flight, "cache": mgr.metrics.as_dict(),
             "hints": mgr.tags.hints.stats(), "client_cap_pages": mgr.tags.client_cap_pages,
+            "cpu": engine_cpu_times(),  # (on the engine thread: its own CPU, and its process's)
         }

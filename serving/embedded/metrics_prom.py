@@ -21,7 +21,12 @@ scrape never waits for a model step. Names (all prefixed ``kvflow_``):
   request caused; request-caused ones finish that request with reason ``error``),
   ``kv_cache_resets_total`` (a copy failed on the copy thread: requests failed, cache dropped);
   ``engine_steps_total{kind=all|decode}``, ``model_forward_seconds_total{phase=prefill|decode}``
-  (the model's share of the engine thread; per decode step, how fast this process runs);
+  (the model's share of the engine thread; per decode step, how fast this process runs),
+  ``engine_busy_seconds_total`` (steps that did something, all of their wall time),
+  ``engine_cpu_seconds_total{scope=thread|process}`` (the engine thread's CPU, and its
+  process's);
+- ``process_cpu_seconds_total`` and the rest of prometheus_client's process collector: this
+  (the HTTP) process;
 - the hint registry's bounded state: ``hint_workflows{state=live|expired}``, ``hint_agents``,
   ``hint_clients`` (tenants with a live workflow), ``hint_workflows_removed_total{reason=
   forgotten|evicted|released}``, ``hint_agents_dropped_total``; ``client_cap_pages`` (the
@@ -30,7 +35,7 @@ scrape never waits for a model step. Names (all prefixed ``kvflow_``):
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -131,6 +136,14 @@ class EngineCollector:
                       "thread, by phase (the rest of a step is scheduling, cache and sampling).",
                       labels=["phase"], samples=[(["prefill"], c.get("prefill_forward_s", 0.0)),
                                                  (["decode"], c.get("decode_forward_s", 0.0))])
+        yield counter("engine_busy_seconds", "Wall time of the engine steps that did something "
+                      "(forwards, KV copies, scheduling and cache work between them).",
+                      c.get("busy_s", 0.0))
+        cpu = s.get("cpu") or {}
+        yield counter("engine_cpu_seconds", "CPU time of the engine thread, and of the process "
+                      "holding the engine (its own with --engine-process; else this one).",
+                      labels=["scope"], samples=[(["thread"], cpu.get("thread_cpu_s", 0.0)),
+                                                 (["process"], cpu.get("process_cpu_s", 0.0))])
         kc = s.get("kv_copies") or {}
         yield counter("kv_copy_seconds", "Wall time copying KV between the tiers, by direction "
                       "(CPU: on the engine thread unless --copy-thread).",
@@ -156,6 +169,7 @@ class EngineCollector:
 def make_registry(engine) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(EngineCollector(engine))
+    ProcessCollector(registry=reg)  # process_* of this (the HTTP) process; Linux only, else none
     return reg
 
 

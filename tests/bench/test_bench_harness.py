@@ -12,12 +12,13 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 
 import pytest
 from typer.testing import CliRunner
 
-from kvflow_agents.bench import report
+from kvflow_agents.bench import report, report_rows
 from kvflow_agents.bench.runner import metrics_delta, parse_policies, rotated
 from kvflow_agents.bench.driver import WorkflowDriver
 from kvflow_agents.bench.workload import (ByteLevelCounter, Prompts, TokenCounter, WorkloadSpec,
@@ -201,6 +202,12 @@ def test_small_real_run_through_the_cli(tmp_path):
         for key in ("hit_tokens_device", "hit_tokens_host", "miss_tokens", "load_hidden_s",
                     "load_exposed_s", "prefetch_issued", "prefetch_used", "device_rate"):
             assert key in s, (name, key)
+        # the engine's time and CPU over the measured rounds (the servers run their engine in
+        # a process of its own): busy covers the forwards; each process spent CPU
+        forwards = s["engine_prefill_forward_s"] + s["engine_decode_forward_s"]
+        assert s["engine_busy_s"] >= forwards + s["engine_copy_s"] > 0
+        assert s["engine_thread_cpu_s"] > 0 and s["engine_process_cpu_s"] >= s["engine_thread_cpu_s"]
+        assert s["http_process_cpu_s"] > 0
         argv = p["serve_argv"]
         assert argv[argv.index("--policy") + 1] == name.split("-")[0]
     lru, kv = doc["policies"]["lru"], doc["policies"]["kvflow"]
@@ -230,6 +237,8 @@ def test_small_real_run_through_the_cli(tmp_path):
     # the JSON re-renders as the Markdown table (python -m kvflow_agents.bench.report FILE)
     md = report.plain_table(report.results_from_json(doc))
     assert md.startswith("| metric | lru | kvflow |") and "| speedup vs lru |" in md
+    busy = next(line for line in md.splitlines() if line.startswith("| engine busy / its CPU (ms per call) |"))
+    assert all(re.fullmatch(r"[0-9.]+ / [0-9.]+", cell.strip()) for cell in busy.split("|")[2:-1]), busy
 
 
 def test_base_url_mode_against_a_recording_server(tmp_path):
@@ -363,7 +372,7 @@ def test_metrics_delta_policy_lists_and_wasted_prefetches():
     d = metrics_delta({**before, "prefetch_wasted": 1, "prefetch_wasted_by": {"alloc": 1}},
                       {**after, "prefetch_wasted": 4, "prefetch_wasted_by": {"alloc": 2, "grow": 2}})
     assert d["prefetch_wasted"] == 3 and d["prefetch_wasted_by"] == {"alloc": 1, "grow": 2}
-    assert report._wasted(d) == "3 (grow 2, alloc 1)" and report._wasted(None) == "-"
+    assert report_rows._wasted(d) == "3 (grow 2, alloc 1)" and report_rows._wasted(None) == "-"
     assert metrics_delta(None, after) is None
     assert parse_policies("lru, kvflow") == ["lru", "kvflow"]
     assert parse_policies("kvflow,oracle-pool") == ["kvflow", "oracle-pool"]

@@ -84,7 +84,8 @@ def test_peer_bench_reports_the_bound_per_column():
     """What `kvflow bench peer` adds to each column's workload (the per-call records it keeps
     anyway) and the two rows its table prints from them; the oracle's column has no bound."""
     from kvflow_agents.bench.peer import _pool_bound
-    from kvflow_agents.bench.report import pool_bound_rows, render_table
+    from kvflow_agents.bench.report import render_table
+    from kvflow_agents.bench.report_rows import pool_bound_rows
     from kvflow_agents.bench.runner import PolicyResult, ServerConfig
     from kvflow_agents.bench.workload import CallRecord, WorkloadResult
     from kvflow_agents.serving.embedded.model.config import get_preset

@@ -14,7 +14,8 @@ from statistics import median
 
 import pytest
 
-from kvflow_agents.bench import report, speed, stats
+from kvflow_agents.bench import report, report_rows, speed, stats
+from kvflow_agents.bench.figures import Figures
 from kvflow_agents.bench.runner import PolicyResult
 
 
@@ -65,13 +66,13 @@ def test_no_speeds_no_adjustment_and_the_report_says_nothing_of_it():
     bare = [PolicyResult(r.policy, {k: v for k, v in r.workload.items() if k != "decode_step_trials_s"})
             for r in simulate({"hicache": 1.2, "kvflow": 1.0, "oracle": 1.0})]
     assert speed.fit_beta(bare) is None
-    names = [n for n, _ in report.rows(bare, wide=False)]
+    names = [n for n, _ in report_rows.rows(bare, wide=False)]
     assert "  speed-adjusted" not in names and report.to_json({}, bare)["speed_adjusted"] is None
 
 
 def test_the_report_prints_raw_and_adjusted_side_by_side():
     res = simulate({"hicache": 1.25, "kvflow": 1.01, "oracle": 1.00})
-    rows = dict(report.rows(res, wide=False))
+    rows = dict(report_rows.rows(res, wide=False))
     assert rows["model ms / decode step"][0] != "-"
     assert rows["  speed-adjusted"][2] == "-"          # the oracle against itself
     doc = report.to_json({}, res, report.SAVING_TARGETS)
@@ -84,10 +85,10 @@ def test_the_report_prints_raw_and_adjusted_side_by_side():
     # target line (a p50 point alone beside it read 0.64 against 0.65..0.94)
     adj_mean = sa["saving"]["kvflow"]["hicache"]["ratio_mean"]
     assert t["speed_adjusted"]["measured_mean"] == adj_mean
-    names = [n for n, _ in report.rows(res, wide=False)]
+    names = [n for n, _ in report_rows.rows(res, wide=False)]
     i = names.index("saving vs hicache, adj.")
     assert names[i + 1:i + 3] == ["  mean", "  90% CI (mean)"]
-    assert report.rows(res, wide=False)[i + 1][1][1] == f"{adj_mean:.2f}"  # kvflow
+    assert report_rows.rows(res, wide=False)[i + 1][1][1] == f"{adj_mean:.2f}"  # kvflow
     lines = report.target_lines(res, report.SAVING_TARGETS)
     line = next(x for x in lines if x.startswith("  speed-adjusted"))
     assert f"(p50), mean {adj_mean:.2f}; mean's 90% CI" in line
@@ -113,9 +114,9 @@ def test_an_imprecise_fit_is_withheld_and_the_report_says_so():
     fit = speed.fit_elasticity(res)
     assert fit.trials == 4 and fit.se > speed.MAX_BETA_SE and not fit.usable
     assert speed.fit_beta(res) is None and speed.adjusted(res) is None
-    fig = report.Figures(res)
+    fig = Figures(res)
     assert fig.speed is None and "withheld" in fig.speed_withheld
-    names = [n for n, _ in report.rows(res, wide=False, figures=fig)]
+    names = [n for n, _ in report_rows.rows(res, wide=False, figures=fig)]
     assert "  speed-adjusted" not in names
     doc = report.to_json({}, res, report.SAVING_TARGETS, figures=fig)
     assert doc["speed_adjusted"] is None

@@ -10,7 +10,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvflow_agents.bench import report, stats
+from kvflow_agents.bench import report, report_rows, stats
+from kvflow_agents.bench.figures import Figures
 from kvflow_agents.bench.runner import PolicyResult
 from kvflow_agents.cli.main import app
 
@@ -122,7 +123,7 @@ def test_ranges_in_an_80_column_table_break_between_their_numbers():
     path = Path(report.__file__).parent / "results" / "wf_1_idle_12t.json"
     _, results, _ = report.from_json(json.loads(path.read_text()))
     assert len(results) == 5
-    ranges = [m for _, vals in report.rows(results, wide=False, figures=report.Figures(results))
+    ranges = [m for _, vals in report_rows.rows(results, wide=False, figures=Figures(results))
               for v in vals if (m := report._RANGE.fullmatch(v))]
     assert len(ranges) >= 10
     res = CliRunner().invoke(app, ["bench", "show", str(path)], env={"COLUMNS": "80"})
@@ -180,13 +181,13 @@ def test_achievable_saving_pairs_trials_and_reports_the_spread():
     # targets carry the spread; the narrow table shows it; no oracle column: nothing to judge
     got = report.check_targets(rs, report.SAVING_TARGETS)
     assert got[0]["met"] is False and got[0]["trial_min"] == pytest.approx(0.9)
-    names = [n for n, _ in report.rows(rs, wide=False)]
+    names = [n for n, _ in report_rows.rows(rs, wide=False)]
     assert "saving vs lru" in names and "saving vs hicache" in names
-    vals = dict(report.rows(rs, wide=False))["saving vs lru"]
+    vals = dict(report_rows.rows(rs, wide=False))["saving vs lru"]
     assert vals == ["-", "0.58", "0.92", "-"]       # hicache (2.2-1.5)/1.2, kvflow 1.1/1.2
     ci = k["ci"]                                    # mean-based: (7.2-3.35)/(7.2-3) = 0.917
     assert ci["lo"] <= 3.85 / 4.2 <= ci["hi"] and ci["level"] == stats.CI_LEVEL
-    row = dict(report.rows(rs, wide=False))["  90% CI (mean)"]
+    row = dict(report_rows.rows(rs, wide=False))["  90% CI (mean)"]
     assert row[2] == f"{h['ci']['lo']:.2f}-{h['ci']['hi']:.2f}" and row[0] == "-"
     assert got[0]["ci"] == ci
     assert stats.saving_ratios(rs[:3]) == {}
@@ -200,7 +201,7 @@ def test_achievable_saving_pairs_trials_and_reports_the_spread():
         [0.45 / 0.4, 0.5 / 0.4, 0.3 / 0.4])
     assert "oracle-pool" not in pool and "lru" not in pool
     assert stats.saving_ratios(rs3)["oracle-pool"]["hicache"]["ratio"] == pytest.approx(0.4 / 0.5)
-    table = dict(report.rows(rs3, wide=False))
+    table = dict(report_rows.rows(rs3, wide=False))
     assert table["saving vs hicache, pool"] == ["-", "-", "1.00", "-", "-"]
     assert report.to_json({}, rs3)["saving_same_pool"]["kvflow"]["hicache"]["ratio"] == pytest.approx(1.0)
 
@@ -218,7 +219,7 @@ def test_cache_cost_saving_from_counters():
     cs = stats.cost_saving(rs)
     assert cs["kvflow"]["lru"] == pytest.approx(4.6 / 4.75) and cs["kvflow"]["hicache"] == pytest.approx(2.1 / 2.25)
     assert stats.annotate_cache_cost(rs, {}) is None
-    assert "cost saving vs lru" in dict(report.rows(rs, wide=False))
+    assert "cost saving vs lru" in dict(report_rows.rows(rs, wide=False))
     # without the oracle, the pool oracle is the reference (neither evicts: the same cost)
     rs[3] = PolicyResult("oracle-pool", rs[3].workload, rs[3].server)
     assert stats.cost_saving(rs)["kvflow"]["hicache"] == pytest.approx(2.1 / 2.25)

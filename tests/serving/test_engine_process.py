@@ -85,6 +85,24 @@ def test_hints_cache_view_metrics_and_flush_reach_the_engine_process(core_srv):
         core_srv.engine.call(lambda e: 1)
 
 
+def test_the_engine_process_and_the_http_process_report_their_own_cpu(core_srv):
+    """``/kvflow/v1/cache``'s ``engine.process_cpu_s`` is the engine's process's, ``http``'s this
+    one's: CPU burnt here (the server runs in this test's process) moves only the latter, and
+    a request moves the engine's."""
+    first = core_srv.cache()
+    t_end = time.thread_time() + 0.3
+    while time.thread_time() < t_end:  # 0.3 s of CPU in this (the HTTP) process
+        pass
+    second = core_srv.cache()
+    assert second["http"]["process_cpu_s"] - first["http"]["process_cpu_s"] >= 0.3
+    assert second["engine"]["process_cpu_s"] - first["engine"]["process_cpu_s"] < 0.15
+    core_srv.client().chat.completions.create(model="tiny-random", messages=_messages(0), max_tokens=8)
+    third = core_srv.cache()
+    assert third["engine"]["thread_cpu_s"] > second["engine"]["thread_cpu_s"]
+    assert third["engine"]["busy_s"] > second["engine"]["busy_s"]
+    assert third["engine"]["process_cpu_s"] >= third["engine"]["thread_cpu_s"]
+
+
 def test_a_client_that_goes_away_mid_stream_aborts_its_request_in_the_engine(core_srv):
     before = core_srv.engine.stats()["counters"]["aborted"]
     with httpx.Client(base_url=core_srv.url, timeout=60) as h:

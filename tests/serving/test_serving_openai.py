@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -224,6 +225,37 @@ def test_model_forward_time_is_reported_beside_the_steps(serve):
         assert prom['kvflow_engine_steps_total{kind="decode"}'] == eng["decode_steps"]
         assert prom['kvflow_model_forward_seconds_total{phase="decode"}'] == pytest.approx(eng["decode_forward_s"])
         assert prom['kvflow_model_forward_seconds_total{phase="prefill"}'] == pytest.approx(eng["prefill_forward_s"])
+
+
+def test_engine_busy_time_and_cpu_are_reported(serve):
+    """Where an engine's time goes beside its forwards (what `kvflow bench` prints per call):
+    ``busy_s`` holds every step that did something, forwards included, and stops while the
+    engine idles; the engine thread's CPU and its process's grow with the work; the HTTP
+    process's CPU rides along; ``/metrics`` shows the same counters."""
+    with serve(policy="kvflow") as srv:
+        before = srv.cache()
+        srv.client().chat.completions.create(
+            model="tiny-random", messages=[SYSTEM, {"role": "user", "content": "q"}], max_tokens=8,
+            extra_body={"ignore_eos": True})
+        wait_until(lambda: srv.engine.stats()["counters"]["finished"] == 1)
+        after = srv.cache()
+        d = {k: after["engine"][k] - before["engine"][k] for k in after["engine"]}
+        forwards = d["prefill_forward_s"] + d["decode_forward_s"]
+        assert forwards > 0 and d["busy_s"] >= forwards + d["copy_s"]
+        assert d["thread_cpu_s"] > 0 and after["engine"]["process_cpu_s"] >= after["engine"]["thread_cpu_s"]
+        # one process here (the engine on a thread): the HTTP side reads the same process's CPU
+        assert after["http"]["process_cpu_s"] >= after["engine"]["process_cpu_s"]
+        time.sleep(0.3)  # idle: no step does anything, so none counts as busy
+        assert srv.cache()["engine"]["busy_s"] == after["engine"]["busy_s"]
+        srv.engine.call(lambda e: e._publish(force=True))
+        prom = {line.rsplit(" ", 1)[0]: float(line.split()[-1])
+                for line in httpx.get(srv.url + "/metrics").text.splitlines()
+                if line.startswith(("kvflow_engine_busy_seconds_total", "kvflow_engine_cpu_seconds_total",
+                                    "process_cpu_seconds_total"))}
+        assert prom["kvflow_engine_busy_seconds_total"] == pytest.approx(after["engine"]["busy_s"])
+        assert prom['kvflow_engine_cpu_seconds_total{scope="thread"}'] >= after["engine"]["thread_cpu_s"]
+        assert prom['kvflow_engine_cpu_seconds_total{scope="process"}'] >= after["engine"]["process_cpu_s"]
+        assert prom["process_cpu_seconds_total"] > 0
 
 
 def test_kv_copy_time_is_reported_beside_the_forwards(serve):
