@@ -13,7 +13,9 @@ what slows the process slows them all alike. With ``workflows > 1`` each engine 
 many concurrent workflows (one client thread each, prompts of their own) and the engines
 take turns round by round instead, the order rotated per round. Per repetition (fresh
 engines, one unmeasured warm-up round) the engines' own counters give the model's seconds
-per decode step and per prefill call, and the client the wall time per call; the figure per
+per decode step and per prefill call and their busy steps' time beside the forwards per call
+(what the policy's own work, copies included, costs the engine thread), and the client the
+wall time per call; the figure per
 policy is its ratio to the oracle's, as a geometric mean over repetitions with a 90 %
 bootstrap interval over them (``stats.paired_bootstrap``). The wall time counts what the
 engine does between forwards (a policy's planning, evictions and copies) and, in this one
@@ -46,6 +48,9 @@ class ForwardTimes:
     prefill_s: list = field(default_factory=list)      # model seconds in prefill forwards
     calls: int = 0                                     # measured calls per repetition
     wall_s: list = field(default_factory=list)         # per repetition: the calls' wall time
+    beside_s: list = field(default_factory=list)       # per repetition: the engine's busy
+                                                       # steps' wall time beside the forwards
+                                                       # (planning, evictions, copies, sampling)
     load_pages: int = 0                                # pages loaded from host, all repetitions
                                                        # (warm-up rounds included)
 
@@ -58,9 +63,13 @@ class ForwardTimes:
     def wall_ms(self) -> list:
         return [1e3 * s / self.calls if self.calls else math.nan for s in self.wall_s]
 
+    def beside_ms(self) -> list:
+        return [1e3 * s / self.calls if self.calls else math.nan for s in self.beside_s]
+
     def as_dict(self) -> dict:
         return {**asdict(self), "decode_ms_per_step": self.decode_ms(),
-                "prefill_ms_per_call": self.prefill_ms(), "wall_ms_per_call": self.wall_ms()}
+                "prefill_ms_per_call": self.prefill_ms(), "wall_ms_per_call": self.wall_ms(),
+                "beside_ms_per_call": self.beside_ms()}
 
 
 def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], agents: int = 10,
@@ -141,6 +150,7 @@ def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], a
                     t.decode_s.append(c[0]["decode_forward_s"] - b["decode_forward_s"])
                     t.decode_steps.append(c[0]["decode_steps"] - b["decode_steps"])
                     t.prefill_s.append(c[0]["prefill_forward_s"] - b["prefill_forward_s"])
+                    t.beside_s.append(c[0]["busy_s"] - b["busy_s"] - t.decode_s[-1] - t.prefill_s[-1])
                     t.wall_s.append(wall[p])
                     t.load_pages += c[1]
             if progress:
@@ -150,19 +160,22 @@ def run_forwards_bench(*, model: str = "tiny-random", policies: Sequence[str], a
         torch.set_num_threads(threads)
 
 
-FIGURES = (("decode", "decode ms / step"), ("prefill", "prefill ms / call"), ("wall", "wall ms / call"))
+# (name, label): each ``ForwardTimes.<name>_ms`` per repetition. "beside": what the engine's
+# steps spend outside the model per call (its policy's planning and evictions, KV copies,
+# scheduling, sampling), from its ``busy_s`` counter: the part a policy adds by its own work
+FIGURES = (("decode", "decode ms / step"), ("prefill", "prefill ms / call"), ("wall", "wall ms / call"),
+           ("beside", "beside fwd ms / call"))
 
 
 def ratios(results: Sequence[ForwardTimes]) -> dict:
-    """Per policy and figure (``decode``, ``prefill``, ``wall``): the per-repetition ratios to
-    the oracle, their geometric mean and its 90 % bootstrap interval over repetitions."""
+    """Per policy and figure (:data:`FIGURES`' names): the per-repetition ratios to the
+    oracle, their geometric mean and its 90 % bootstrap interval over repetitions."""
     ref = next(r for r in results if r.policy == REFERENCE)
     out = {}
     for r in results:
         out[r.policy] = {}
-        for name, mine, theirs in (("decode", r.decode_ms(), ref.decode_ms()),
-                                   ("prefill", r.prefill_ms(), ref.prefill_ms()),
-                                   ("wall", r.wall_ms(), ref.wall_ms())):
+        for name, _ in FIGURES:
+            mine, theirs = getattr(r, name + "_ms")(), getattr(ref, name + "_ms")()
             logs = [math.log(a / b) for a, b in zip(mine, theirs) if a > 0 and b > 0]
             if not logs:
                 out[r.policy][name] = None
@@ -201,7 +214,7 @@ def render_table(results: Sequence[ForwardTimes], title: str):
 
 
 def plot(results: Sequence[ForwardTimes], path: str, title: str) -> None:
-    """Bars: each policy's decode-step, prefill and wall-time ratio to the oracle, with the intervals."""
+    """Bars: each policy's ratio to the oracle per figure (:data:`FIGURES`), with the intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,11 +224,12 @@ def plot(results: Sequence[ForwardTimes], path: str, title: str) -> None:
     pols = [r.policy for r in results]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for j, (name, label) in enumerate(FIGURES):
-        xs = [i + (j - 1) * 0.27 for i in range(len(pols))]
+        width = 0.8 / len(FIGURES)
+        xs = [i + (j - (len(FIGURES) - 1) / 2) * width for i in range(len(pols))]
         vals = [rat[p][name]["ratio"] if rat[p][name] else math.nan for p in pols]
         lo = [v - (rat[p][name]["ci"] or (v, v))[0] if rat[p][name] else 0 for p, v in zip(pols, vals)]
         hi = [(rat[p][name]["ci"] or (v, v))[1] - v if rat[p][name] else 0 for p, v in zip(pols, vals)]
-        ax.bar(xs, vals, width=0.26, yerr=[lo, hi], capsize=3, label=label)
+        ax.bar(xs, vals, width=width * 0.95, yerr=[lo, hi], capsize=3, label=label)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     tops = [c[1] for p in pols for v in rat[p].values() if v and (c := v["ci"] or (v["ratio"],) * 2)]
     lows = [c[0] for p in pols for v in rat[p].values() if v and (c := v["ci"] or (v["ratio"],) * 2)]

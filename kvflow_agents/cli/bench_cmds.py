@@ -53,10 +53,13 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         from kvflow_agents.bench import report
 
         try:
-            meta, results, targets = report.from_json(json.loads(Path(result).read_text()))
+            doc = json.loads(Path(result).read_text())
+            meta, results, targets = report.from_json(doc)
         except (OSError, ValueError, TypeError) as e:
             raise typer.BadParameter(str(e), param_hint="RESULT") from None
         title = f"{meta.get('command') or 'kvflow bench ' + str(meta.get('bench', ''))} ({Path(result).name})"
+        if isinstance(doc.get("experiment"), str):  # a run made under a script, as it says
+            Console().print(f"[yellow]{doc['experiment']}[/]", highlight=False)
         _emit(Console(), meta, results, title=title, targets=targets, raw=True, json_path=json_out,
               plot_path=plot_out, wide=wide)
 

@@ -80,12 +80,19 @@ def test_forwards_bench_interleaves_the_same_calls_on_every_policy(tmp_path):
     assert res["kvflow"]["load_pages"] > 0 and res["oracle"]["load_pages"] == 0
     rat = doc["ratios"]
     assert rat["oracle"]["decode"]["ratio"] == 1.0 and len(rat["kvflow"]["decode"]["reps"]) == 2
-    for name in ("decode", "prefill", "wall"):
+    for name in ("decode", "prefill", "wall", "beside"):
         v = rat["kvflow"][name]
         lo, hi = v["ci"]
         assert lo <= v["ratio"] <= hi and v["ratio"] > 0
     assert all(len(res[p]["wall_ms_per_call"]) == 2 and min(res[p]["wall_ms_per_call"]) > 0
                for p in res)
+    # the engine's work beside the forwards: some for every policy, and the client waited for
+    # it (a call's wall time holds its forwards and that work)
+    for p in res:
+        for beside, wall, prefill in zip(res[p]["beside_ms_per_call"], res[p]["wall_ms_per_call"],
+                                         res[p]["prefill_ms_per_call"]):
+            assert 0 < beside < wall - prefill
+    assert "beside fwd ms / call" in r.output
     bad = CliRunner().invoke(app, ["bench", "forwards", "--policies", "kvflow,hicache"])
     assert bad.exit_code == 2 and "oracle" in bad.output
 

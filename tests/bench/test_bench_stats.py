@@ -107,6 +107,11 @@ def test_bench_show_reports_a_saved_result_again(tmp_path):
                                               (42.0, 41.0, 40.0)])
     assert doc["policies"]["kvflow"]["workload"] == saved["policies"]["kvflow"]["workload"]
     assert (tmp_path / "again.png").stat().st_size > 0
+    assert "EXPERIMENT" not in res.output
+    # a run made under an experiment's script says so first
+    path.write_text(json.dumps({**saved, "experiment": "EXPERIMENT: copies moved no bytes"}))
+    res = CliRunner().invoke(app, ["bench", "show", str(path)], env={"COLUMNS": "80"})
+    assert res.exit_code == 0 and res.output.startswith("EXPERIMENT: copies moved no bytes")
     # not a result: a clear error, exit 2
     (tmp_path / "bad.json").write_text('{"policies": []}')
     res = CliRunner().invoke(app, ["bench", "show", str(tmp_path / "bad.json")])
