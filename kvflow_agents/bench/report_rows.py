@@ -12,23 +12,14 @@ from .runner import PolicyResult
 from .stats import BASELINES, CI_LEVEL, MEAN_KEY, cost_saving, ratios
 
 
+# one cell's text by kind: seconds (3 decimals), seconds shown in ms, a share, a ratio, a count
+_CELL = {"s": lambda v: f"{v:.3f}", "ms": lambda v: f"{v * 1e3:.1f}", "%": lambda v: f"{v * 100:.1f}%",
+         "x": lambda v: f"{v:.2f}x", "int": lambda v: f"{int(v)}", "f2": lambda v: f"{v:.2f}"}
+
+
 def fmt(v: Any, kind: str) -> str:
-    """One cell: ``kind`` s (seconds, 3 decimals), ms (seconds shown in ms), %, x, int or f2."""
-    if v is None:
-        return "-"
-    if kind == "s":
-        return f"{v:.3f}"
-    if kind == "ms":
-        return f"{v * 1e3:.1f}"
-    if kind == "%":
-        return f"{v * 100:.1f}%"
-    if kind == "x":
-        return f"{v:.2f}x"
-    if kind == "int":
-        return f"{int(v)}"
-    if kind == "f2":
-        return f"{v:.2f}"
-    return str(v)
+    """One cell (``kind``: a key of ``_CELL``; any other: ``str``); ``None`` is "-"."""
+    return "-" if v is None else _CELL.get(kind, str)(v)
 
 
 def fmt_range(xs: Sequence[Optional[float]], kind: str) -> str:
