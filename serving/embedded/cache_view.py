@@ -38,6 +38,7 @@ differences over measured rounds: what a policy's engine costs per call beside i
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional
 
 
@@ -47,9 +48,16 @@ ENGINE_COUNTERS = ("steps", "decode_steps", "prefill_forward_s", "decode_forward
                    "layerwise_loads", "layerwise_wait_s", "busy_s")
 
 
+def engine_cpu_times() -> dict:
+    """CPU seconds so far of the calling thread and of its process. Called on the engine thread
+    (``EngineLoop._publish``, :func:`cache_report`), it reads the engine thread's own CPU and
+    that of the process holding the engine (the engine's process with ``--engine-process``,
+    else the whole server): against ``busy_s``, what the engine spends beside its steps."""
+    return {"thread_cpu_s": time.thread_time(), "process_cpu_s": time.process_time()}
+
+
 def cache_report(engine, tenant: Optional[str] = None) -> dict:
     from ..tenancy import visible_key
-    from .engine_loop import engine_cpu_times
 
     mgr = engine.manager
     mgr.tick(engine.pool.now())

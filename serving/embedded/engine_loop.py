@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from kvflow_agents.serving.policy import CacheFullError
 
+from .cache_view import engine_cpu_times
 from .engine_forward import ForwardSteps
 from .scheduler import Completion, Request, RequestState, Scheduler, StreamEvent
 
@@ -101,14 +102,6 @@ def deliver_to_queues(items) -> None:
     """On the event loop: put a step's events on their requests' queues, in order."""
     for q, ev in items:
         q.put_nowait(ev)
-
-
-def engine_cpu_times() -> dict:
-    """CPU seconds so far of the calling thread and of its process. Called on the engine thread
-    (``_publish``, ``cache_report``), it reads the engine thread's own CPU, and that of the
-    process holding the engine (the engine's process with ``--engine-process``, else the whole
-    server): against ``busy_s``, what the engine spends beside its steps' wall time."""
-    return {"thread_cpu_s": time.thread_time(), "process_cpu_s": time.process_time()}
 
 
 class EngineLoop(ForwardSteps):

@@ -202,12 +202,9 @@ def test_small_real_run_through_the_cli(tmp_path):
         for key in ("hit_tokens_device", "hit_tokens_host", "miss_tokens", "load_hidden_s",
                     "load_exposed_s", "prefetch_issued", "prefetch_used", "device_rate"):
             assert key in s, (name, key)
-        # the engine's time and CPU over the measured rounds (the servers run their engine in
-        # a process of its own): busy covers the forwards; each process spent CPU
-        forwards = s["engine_prefill_forward_s"] + s["engine_decode_forward_s"]
-        assert s["engine_busy_s"] >= forwards + s["engine_copy_s"] > 0
-        assert s["engine_thread_cpu_s"] > 0 and s["engine_process_cpu_s"] >= s["engine_thread_cpu_s"]
-        assert s["http_process_cpu_s"] > 0
+        fwd = s["engine_prefill_forward_s"] + s["engine_decode_forward_s"]  # within the busy steps
+        assert s["engine_busy_s"] >= fwd + s["engine_copy_s"] and fwd > 0
+        assert s["engine_process_cpu_s"] >= s["engine_thread_cpu_s"] > 0 < s["http_process_cpu_s"]
         argv = p["serve_argv"]
         assert argv[argv.index("--policy") + 1] == name.split("-")[0]
     lru, kv = doc["policies"]["lru"], doc["policies"]["kvflow"]
