@@ -6,6 +6,7 @@ that interleaves several servers' rounds (``kvflow bench workflow --interleave r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import time
 from typing import Any, Awaitable, Callable, Optional
@@ -100,11 +101,7 @@ class WorkflowDriver:
         rec = CallRecord(workflow=w, round=rnd, agent=agent, step=tracker.step, measured=measured,
                          start=0.0, ttft_s=0.0, latency_s=0.0)
         msgs = self.prompts.messages(w, rnd, agent)
-        if self.send_hints:
-            with kvflow.hints(h):
-                await chat_call(client, self.base_url, self.model, msgs, max_tokens=self.spec.output,
-                                stream=self.stream, extra=self.extra, rec=rec)
-        else:
+        with kvflow.hints(h) if self.send_hints else contextlib.nullcontext():
             await chat_call(client, self.base_url, self.model, msgs, max_tokens=self.spec.output,
                             stream=self.stream, extra=self.extra, rec=rec)
         if self.on_call is not None:

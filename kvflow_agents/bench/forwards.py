@@ -57,14 +57,17 @@ class ForwardTimes:
     def decode_ms(self) -> list:
         return [1e3 * s / n if n else math.nan for s, n in zip(self.decode_s, self.decode_steps)]
 
+    def _per_call_ms(self, seconds: list) -> list:
+        return [1e3 * s / self.calls if self.calls else math.nan for s in seconds]
+
     def prefill_ms(self) -> list:
-        return [1e3 * s / self.calls if self.calls else math.nan for s in self.prefill_s]
+        return self._per_call_ms(self.prefill_s)
 
     def wall_ms(self) -> list:
-        return [1e3 * s / self.calls if self.calls else math.nan for s in self.wall_s]
+        return self._per_call_ms(self.wall_s)
 
     def beside_ms(self) -> list:
-        return [1e3 * s / self.calls if self.calls else math.nan for s in self.beside_s]
+        return self._per_call_ms(self.beside_s)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "decode_ms_per_step": self.decode_ms(),

@@ -142,8 +142,8 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here ('-': stdout only)."),
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart here."),
     ) -> None:
-        """Model seconds per decode step and per prefill, and wall time per call, under each
-        policy, on engines in this one process with calls (or, with --workflows, rounds)
+        """Model seconds per decode step and per prefill, wall time per call and the engine's
+        busy time beside its forwards per call, under each policy, on engines in this one process with calls (or, with --workflows, rounds)
         interleaved, relative to the oracle's: whether a policy's cache work slows the forwards
         or the engine, free of the machine's drift (the workflow benches' caveat lines)."""
         from rich.console import Console
@@ -170,6 +170,6 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         title = (f"kvflow bench forwards: {model}, cycle of {agents} agents, {fixed}/{dynamic}/"
                  f"{output} tokens, {workflows} workflow(s), {reps} x {rounds} rounds, one process, "
                  f"{'calls' if workflows == 1 else 'rounds'} interleaved; model ms per decode step and "
-                 f"per call's prefill, wall ms per call")
+                 f"per call's prefill, wall ms and the engine's ms beside its forwards per call")
         emit_document(console, doc, forwards.render_table(res, title), json_out=json_out,
                       plot=(lambda: forwards.plot(res, plot_out, title)) if plot_out else None)
