@@ -17,7 +17,7 @@ per decode step and per prefill call and their busy steps' time beside the forwa
 (what the policy's own work, copies included, costs the engine thread), and the client the
 wall time per call; the figure per
 policy is its ratio to the oracle's, as a geometric mean over repetitions with a 90 %
-bootstrap interval over them (``stats.paired_bootstrap``). The wall time counts what the
+bootstrap interval over them (``stats.geometric_mean_interval``). The wall time counts what the
 engine does between forwards (a policy's planning, evictions and copies) and, in this one
 process, the client threads' Python beside the engine on the GIL and the cores: read its
 ratio as an upper bound of what a served engine, in a process of its own, pays.
@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
-from .stats import paired_bootstrap
+from .stats import geometric_mean_interval
 from .workload import token_counter
 
 REFERENCE = "oracle"
@@ -179,14 +179,13 @@ def ratios(results: Sequence[ForwardTimes]) -> dict:
         out[r.policy] = {}
         for name, _ in FIGURES:
             mine, theirs = getattr(r, name + "_ms")(), getattr(ref, name + "_ms")()
-            logs = [math.log(a / b) for a, b in zip(mine, theirs) if a > 0 and b > 0]
-            if not logs:
+            reps = [a / b for a, b in zip(mine, theirs) if a > 0 and b > 0]
+            if not reps:
                 out[r.policy][name] = None
                 continue
-            gm = lambda idx: math.exp(sum(logs[i] for i in idx) / len(idx))  # noqa: E731
-            ci = paired_bootstrap(gm, len(logs)) if len(logs) > 1 else None
-            out[r.policy][name] = {"ratio": gm(range(len(logs))), "ci": ci,
-                                   "reps": [math.exp(x) for x in logs]}
+            g = geometric_mean_interval(reps)
+            out[r.policy][name] = {"ratio": g["ratio"], "reps": reps,
+                                   "ci": (g["lo"], g["hi"]) if len(reps) > 1 else None}
     return out
 
 

@@ -206,6 +206,12 @@ def plain_table(results: Sequence[PolicyResult], wide: bool = True, *,
     return "\n".join([head, sep, *body])
 
 
+def ci_verdict(ci: dict, value: float) -> str:
+    """Whether an interval ``{"lo", "hi"}`` resolves a ``>= value`` target at all."""
+    return ("above it" if ci["lo"] >= value else "below it" if ci["hi"] < value
+            else "spans it: unresolved")
+
+
 def target_lines(results: Sequence[PolicyResult], targets: Sequence[Target], *,
                  figures: Optional[Figures] = None) -> list[str]:
     """One plain line per judged target (short enough for an 80-column terminal)."""
@@ -220,9 +226,8 @@ def target_lines(results: Sequence[PolicyResult], targets: Sequence[Target], *,
                   if t.get("trial_min") is not None else "")
         ci = t.get("ci")
         if ci:  # does this run resolve the target at all?
-            verdict = ("above it" if ci["lo"] >= t["value"] else "below it" if ci["hi"] < t["value"]
-                       else "spans it: unresolved")
-            spread += f"; mean's {ci['level']:.0%} CI {ci['lo']:.2f}..{ci['hi']:.2f} {verdict}"
+            spread += (f"; mean's {ci['level']:.0%} CI {ci['lo']:.2f}..{ci['hi']:.2f} "
+                       f"{ci_verdict(ci, t['value'])}")
         out.append(f"target {t['target']}: {t['measured']:.2f}{unit} (p50) -> "
                    f"{'met' if t['met'] else 'MISSED'}{on_mean}{spread}")
         a = t.get("speed_adjusted")

@@ -42,7 +42,7 @@ from statistics import mean, median
 from typing import Optional, Sequence
 
 from .runner import PolicyResult
-from .stats import CI_LEVEL, CI_RESAMPLES, paired_bootstrap, saving_ratios
+from .stats import CI_LEVEL, CI_RESAMPLES, geometric_mean_interval, saving_ratios
 
 MIN_TRIALS = 3
 # The widest standard error of the elasticity whose adjustment is shown: +-1.645 x 0.3 ~ +-0.5
@@ -156,7 +156,7 @@ def paired_ratio(results: Sequence[PolicyResult], policy: str, reference: str = 
                  level: float = CI_LEVEL, resamples: int = CI_RESAMPLES, seed: int = 0,
                  key: str = "workflow_latency_trials_s") -> Optional[dict]:
     """Geometric mean over trials of ``policy``'s trial latency over ``reference``'s, with a
-    percentile-bootstrap interval over trials (:func:`.stats.paired_bootstrap`): ``{"ratio",
+    percentile-bootstrap interval over trials (:func:`.stats.geometric_mean_interval`): ``{"ratio",
     "lo", "hi", "level", "trials"}``. Give it :func:`adjusted` results for the speed-adjusted
     ratio; ``key="decode_step_trials_s"`` for the decode-step times' (:func:`speed_summary`)."""
     by = {r.policy: {int(t): v for t, v in r.workload.get(key) or [] if v}
@@ -166,13 +166,8 @@ def paired_ratio(results: Sequence[PolicyResult], policy: str, reference: str = 
     ts = sorted(by[policy].keys() & by[reference].keys())
     if len(ts) < MIN_TRIALS:
         return None
-    logs = [math.log(by[policy][t] / by[reference][t]) for t in ts]
-    n = len(logs)
-    # a mean of logs is never void, so there is always an interval
-    lo, hi = paired_bootstrap(lambda idx: sum(logs[i] for i in idx) / n, n, level=level,
-                              resamples=resamples, seed=seed)
-    return {"ratio": math.exp(mean(logs)), "lo": math.exp(lo), "hi": math.exp(hi), "level": level,
-            "trials": n}
+    return geometric_mean_interval([by[policy][t] / by[reference][t] for t in ts], level=level,
+                                   resamples=resamples, seed=seed)
 
 
 @dataclass(frozen=True)

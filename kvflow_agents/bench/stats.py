@@ -22,6 +22,7 @@ says what the policy achieved.
 
 from __future__ import annotations
 
+import math
 import random
 from statistics import median
 from typing import Callable, Optional, Sequence
@@ -62,19 +63,27 @@ def ratios(results: Sequence[PolicyResult], key: str = LATENCY_KEY) -> dict[str,
 # ------------------------------------------------------------------------------ the paired bootstrap
 def paired_bootstrap(stat: Callable[[list[int]], Optional[float]], n_trials: int, *,
                      level: float = CI_LEVEL, resamples: int = CI_RESAMPLES, seed: int = 0,
-                     max_void: float = 0.0) -> Optional[tuple[float, float]]:
+                     max_void: float = 0.0, strata: Optional[Sequence[int]] = None
+                     ) -> Optional[tuple[float, float]]:
     """A percentile-bootstrap interval ``(lo, hi)`` of ``stat`` over trials resampled whole
     (``stat`` gets the resample's trial indices; whole trials keep the policies' runs of a trial
     paired, so what hit them alike cancels).
 
+    ``strata``: the sizes of consecutive groups of trials (stored runs pooled by ``kvflow bench
+    pool``, each on its own box and day); each resample then draws every group's trials from
+    that group only, so each run keeps its weight and no resample is all one run's.
+
     The draws are fixed, and stored figures depend on them: ``random.Random(seed)``, each
-    resample drawing its ``n_trials`` indices with ``randrange(n_trials)`` in turn, resample after
-    resample. A resample whose ``stat`` is ``None`` is left out; ``None`` when more than
-    ``max_void`` of them were. The bounds are the sorted kept values at
-    ``int(tail * (kept - 1))`` and ``int((1 - tail) * (kept - 1))``, ``tail = (1 - level) / 2``."""
+    resample drawing its ``n_trials`` indices with ``randrange(n_trials)`` in turn (with
+    ``strata``: group after group, ``offset + randrange(size)`` for each of its trials; one
+    group is the same draws), resample after resample. A resample whose ``stat`` is ``None`` is
+    left out; ``None`` when more than ``max_void`` of them were. The bounds are the sorted kept
+    values at ``int(tail * (kept - 1))`` and ``int((1 - tail) * (kept - 1))``,
+    ``tail = (1 - level) / 2``."""
+    groups = [(0, n_trials)] if strata is None else _groups(strata, n_trials)
     rng, vals, void = random.Random(seed), [], 0
     for _ in range(resamples):
-        v = stat([rng.randrange(n_trials) for _ in range(n_trials)])
+        v = stat([off + rng.randrange(size) for off, size in groups for _ in range(size)])
         if v is None:
             void += 1
         else:
@@ -84,6 +93,34 @@ def paired_bootstrap(stat: Callable[[list[int]], Optional[float]], n_trials: int
     vals.sort()
     tail = (1 - level) / 2
     return vals[int(tail * (len(vals) - 1))], vals[int((1 - tail) * (len(vals) - 1))]
+
+
+def _groups(strata: Sequence[int], n_trials: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` of each stratum; they must cover the ``n_trials`` trials exactly."""
+    if any(int(k) < 1 for k in strata) or sum(strata) != n_trials:
+        raise ValueError(f"strata {list(strata)} do not partition {n_trials} trials")
+    out, off = [], 0
+    for k in strata:
+        out.append((off, int(k)))
+        off += int(k)
+    return out
+
+
+def geometric_mean_interval(ratios: Sequence[float], *, level: float = CI_LEVEL,
+                            resamples: int = CI_RESAMPLES, seed: int = 0,
+                            strata: Optional[Sequence[int]] = None) -> dict:
+    """The geometric mean of per-trial ratios (a policy's trial latency over the reference's)
+    with its percentile-bootstrap interval over trials (:func:`paired_bootstrap`; ``strata`` as
+    there): ``{"ratio", "lo", "hi", "level", "trials"}``. A mean of logs is never void, so
+    there is always an interval (the ratio itself for one trial)."""
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    if not n:
+        raise ValueError("no trials")
+    lo, hi = paired_bootstrap(lambda idx: sum(logs[i] for i in idx) / n, n, level=level,
+                              resamples=resamples, seed=seed, strata=strata)
+    return {"ratio": math.exp(sum(logs) / n), "lo": math.exp(lo), "hi": math.exp(hi),
+            "level": level, "trials": n}
 
 
 # ------------------------------------------------------------------------------ achievable saving
@@ -106,7 +143,8 @@ def _spread(xs: Sequence[float]) -> dict:
 
 
 def saving_interval(trials: Sequence[tuple[float, float, float]], *, level: float = CI_LEVEL,
-                    resamples: int = CI_RESAMPLES, seed: int = 0) -> Optional[dict]:
+                    resamples: int = CI_RESAMPLES, seed: int = 0,
+                    strata: Optional[Sequence[int]] = None) -> Optional[dict]:
     """A paired percentile-bootstrap interval (:func:`paired_bootstrap`) for the mean-based
     saving ratio ``(sum(base) - sum(me)) / (sum(base) - sum(oracle))`` over trials given as
     ``(base, me, oracle)`` latencies of the same trial (a PEER question, a workflow trial).
@@ -115,7 +153,8 @@ def saving_interval(trials: Sequence[tuple[float, float, float]], *, level: floa
     little divides by almost nothing) and the pooled ratio alone hides it. Resampling whole
     trials keeps each trial's three policies paired, so the machine's drift, which hits them
     alike, cancels. Deterministic (seeded). ``None`` with fewer than 3 trials, or when more than
-    5 % of the resamples have no saving to capture (the oracle's lead is not resolved)."""
+    5 % of the resamples have no saving to capture (the oracle's lead is not resolved).
+    ``strata``: trials of several runs, resampled within each (:func:`paired_bootstrap`)."""
     if len(trials) < 3:
         return None
 
@@ -127,7 +166,7 @@ def saving_interval(trials: Sequence[tuple[float, float, float]], *, level: floa
         return (b - m) / (b - o) if b - o > 0 else None
 
     ci = paired_bootstrap(mean_ratio, len(trials), level=level, resamples=resamples, seed=seed,
-                          max_void=0.05)
+                          max_void=0.05, strata=strata)
     if ci is None:
         return None
     return {"level": level, "lo": ci[0], "hi": ci[1], "resamples": resamples}

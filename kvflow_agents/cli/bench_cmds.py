@@ -63,6 +63,39 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         _emit(Console(), meta, results, title=title, targets=targets, raw=True, json_path=json_out,
               plot_path=plot_out, wide=wide)
 
+    @bench_app.command("pool")
+    def pool_runs(
+        results: List[str] = typer.Argument(..., help="`kvflow bench workflow|peer --json` files "
+                                            "of one workload (the same command, run again)."),
+        policy: str = typer.Option("kvflow", help="The column whose share is pooled."),
+        reference: str = typer.Option("oracle", help="The bound it is measured against."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Write the figures here "
+                                               "('-': stdout)."),
+        plot_out: Optional[str] = typer.Option(None, "--plot", help="Draw them (matplotlib PNG)."),
+    ):
+        """Pool stored runs of one workload into one sample: per run and over all their trials,
+        the policy's latency over the reference's and its mean-based share of the reference's
+        saving over lru / hicache, with 90 % intervals that resample trials within each run."""
+        from rich.console import Console
+
+        from kvflow_agents.bench import pool, report
+
+        try:
+            out = pool.pool([pool.load_run(p) for p in results], policy=policy, reference=reference)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="RESULTS") from None
+        if json_out == "-":
+            print(json.dumps(out, indent=2))
+            return
+        console = Console()
+        console.print(pool.render_table(out))
+        for line in pool.verdict_lines(out):
+            console.print(line, highlight=False)
+        if json_out:
+            report.write_json(out, json_out)
+        if plot_out:
+            pool.plot(out, plot_out)
+
     @bench_app.command("workflow")
     def workflow(
         preset: Optional[str] = typer.Option(

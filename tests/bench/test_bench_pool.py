@@ -1,0 +1,151 @@
+"""``kvflow bench pool`` (:mod:`kvflow_agents.bench.pool`): stored runs of one workload pooled
+into one sample. A run pooled alone gives ``kvflow bench show``'s figures; the pool's interval
+resamples trials within each run; runs of different workloads, or without the policy, are
+refused with a clear error. No server is started."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from kvflow_agents.bench import pool, report, speed, stats
+from kvflow_agents.bench.runner import PolicyResult
+from kvflow_agents.cli.main import app
+
+WORKLOAD = {"agents": 10, "variant": "cycle", "fixed": 1024, "dynamic": 32, "output": 16, "rounds": 4,
+            "warmup_rounds": 1, "workflows": 1, "share_prompts": False, "hints": "on"}
+SERVER = {"model": "tiny-random", "device_fraction_of_fixed": 0.4, "page_size": 16}
+
+
+def _result(policy, per_trial):
+    from statistics import mean, median
+    return PolicyResult(policy, {"workflow_latency_p50_s": median(per_trial),
+                                 "workflow_latency_mean_s": mean(per_trial),
+                                 "workflow_latency_trials_s": [[i, v] for i, v in enumerate(per_trial)],
+                                 "calls": 40, "errors": 0})
+
+
+def _save(tmp_path, name, cols, **meta_over):
+    """A stored `kvflow bench workflow --json` run with these per-trial latencies per policy."""
+    results = [_result(p, v) for p, v in cols.items()]
+    meta = {"bench": "workflow", "command": "kvflow bench workflow --trials 5",
+            "workload": dict(WORKLOAD), "server": dict(SERVER)}
+    for k, v in meta_over.items():
+        part, key = k.split("__")
+        meta[part][key] = v
+    path = tmp_path / name
+    path.write_text(json.dumps(report.to_json(meta, results, report.WORKFLOW_TARGETS)))
+    return path, results
+
+
+RUN_A = {"lru": [3.0, 3.2, 2.9, 3.1, 3.3], "hicache": [1.50, 1.62, 1.41, 1.55, 1.60],
+         "kvflow": [1.02, 1.10, 0.98, 1.05, 1.12], "oracle": [1.00, 1.05, 0.97, 1.01, 1.06]}
+RUN_B = {"lru": [2.6, 2.7, 2.5, 2.8], "hicache": [1.30, 1.36, 1.25, 1.33],
+         "kvflow": [0.95, 0.93, 0.90, 0.97], "oracle": [0.90, 0.92, 0.88, 0.93]}
+
+
+def test_a_run_pooled_alone_gives_what_bench_show_derives(tmp_path):
+    path, results = _save(tmp_path, "a.json", RUN_A)
+    out = pool.pool([pool.load_run(str(path))])
+    shown = stats.saving_ratios(results)["kvflow"]
+    for f in (out["runs"][0], out["pooled"]):
+        assert f["trials"] == 5
+        for base in ("lru", "hicache"):
+            assert f["saving"][base]["ratio_mean"] == pytest.approx(shown[base]["ratio_mean"])
+            assert f["saving"][base]["ci"] == shown[base]["ci"]   # the same seeded draws
+        lat = speed.paired_ratio(results, "kvflow")
+        assert f["latency_vs_reference"] == pytest.approx(lat)
+    assert out["baselines"] == ["lru", "hicache"]
+    assert out["workload"] == "cycle of 10 agents, 1024/32/16 tokens, 1 workflow, tiny-random"
+
+
+def test_the_pool_sums_every_runs_trials_and_resamples_within_each_run(tmp_path):
+    a, _ = _save(tmp_path, "a.json", RUN_A)
+    b, _ = _save(tmp_path, "b.json", RUN_B)
+    out = pool.pool([pool.load_run(str(a)), pool.load_run(str(b))])
+    p = out["pooled"]
+    assert p["trials"] == 9 and [r["run"] for r in out["runs"]] == ["a.json", "b.json"]
+    H, K, O = (sum(RUN_A[c]) + sum(RUN_B[c]) for c in ("hicache", "kvflow", "oracle"))
+    s = p["saving"]["hicache"]
+    assert s["ratio_mean"] == pytest.approx((H - K) / (H - O))
+    assert s["ci"]["lo"] < s["ratio_mean"] < s["ci"]["hi"]
+    logs = [math.log(k / o) for run in (RUN_A, RUN_B) for k, o in zip(run["kvflow"], run["oracle"])]
+    assert p["latency_vs_reference"]["ratio"] == pytest.approx(math.exp(sum(logs) / len(logs)))
+    assert p["latency_vs_reference"]["lo"] < p["latency_vs_reference"]["ratio"] < p["latency_vs_reference"]["hi"]
+    # per run: each run's own figures
+    assert out["runs"][1]["saving"]["hicache"]["ratio_mean"] == pytest.approx(
+        (sum(RUN_B["hicache"]) - sum(RUN_B["kvflow"])) / (sum(RUN_B["hicache"]) - sum(RUN_B["oracle"])))
+
+
+def test_stratified_resamples_keep_each_runs_weight():
+    """Two runs, each of identical trials, on boxes of different speed: resampling within each
+    run can only redraw the same trials, so the interval is the point; resampling the pooled
+    trials as one sample mixes the runs' counts and spreads."""
+    fast, slow = [(2.0, 1.1, 1.0)] * 4, [(4.0, 2.8, 2.0)] * 6
+    trials = fast + slow
+    point = (sum(t[0] for t in trials) - sum(t[1] for t in trials)) / (
+        sum(t[0] for t in trials) - sum(t[2] for t in trials))
+    within = stats.saving_interval(trials, strata=[4, 6])
+    assert within["lo"] == pytest.approx(point) and within["hi"] == pytest.approx(point)
+    mixed = stats.saving_interval(trials)
+    assert mixed["hi"] - mixed["lo"] > 0.05
+    # one stratum is the unstratified draws exactly (stored intervals depend on them)
+    assert stats.saving_interval(trials, strata=[10]) == mixed
+    with pytest.raises(ValueError, match="do not partition"):
+        stats.saving_interval(trials, strata=[4, 5])
+    with pytest.raises(ValueError, match="do not partition"):
+        stats.paired_bootstrap(lambda idx: 0.0, 3, strata=[3, 0])
+
+
+def test_a_trial_missing_from_one_column_leaves_that_runs_stratum(tmp_path):
+    path, _ = _save(tmp_path, "a.json", RUN_A)
+    doc = json.loads(path.read_text())
+    doc["policies"]["hicache"]["workload"]["workflow_latency_trials_s"].pop(2)   # trial 2 failed there
+    path.write_text(json.dumps(doc))
+    out = pool.pool([pool.load_run(str(path))])
+    f = out["runs"][0]
+    assert f["trials"] == 4
+    keep = [0, 1, 3, 4]
+    H, K, O = (sum(RUN_A[c][i] for i in keep) for c in ("hicache", "kvflow", "oracle"))
+    assert f["saving"]["hicache"]["ratio_mean"] == pytest.approx((H - K) / (H - O))
+
+
+def test_runs_of_different_workloads_or_without_the_policy_are_refused(tmp_path):
+    a, _ = _save(tmp_path, "a.json", RUN_A)
+    b, _ = _save(tmp_path, "b.json", RUN_B, workload__workflows=8, workload__rounds=2)
+    with pytest.raises(ValueError, match=r"workload.rounds \(4 against 2\), workload.workflows \(1 against 8\)"):
+        pool.pool([pool.load_run(str(a)), pool.load_run(str(b))])
+    c, _ = _save(tmp_path, "c.json", {k: v for k, v in RUN_B.items() if k != "kvflow"})
+    with pytest.raises(ValueError, match="c.json has no 'kvflow' column"):
+        pool.pool([pool.load_run(str(a)), pool.load_run(str(c))])
+    # a baseline only some runs have is left out, not an error
+    d, _ = _save(tmp_path, "d.json", {k: v for k, v in RUN_B.items() if k != "lru"})
+    out = pool.pool([pool.load_run(str(a)), pool.load_run(str(d))])
+    assert out["baselines"] == ["hicache"]
+    (tmp_path / "x.json").write_text('{"bench": "aiperf", "policies": {"kvflow": {"workload": {}}}}')
+    with pytest.raises(ValueError, match="x.json: a 'aiperf' result"):
+        pool.load_run(str(tmp_path / "x.json"))
+
+
+def test_bench_pool_prints_80_columns_a_verdict_json_and_a_plot(tmp_path):
+    a, _ = _save(tmp_path, "wf_1_run_a.json", RUN_A)
+    b, _ = _save(tmp_path, "wf_1_run_b.json", RUN_B)
+    out_json, out_png = tmp_path / "pool.json", tmp_path / "pool.png"
+    res = CliRunner().invoke(app, ["bench", "pool", str(a), str(b), "--json", str(out_json),
+                                   "--plot", str(out_png)], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert max(len(line) for line in res.output.splitlines()) <= 80
+    assert "wf_1_run_a" in res.output and "pooled" in res.output
+    doc = json.loads(out_json.read_text())
+    s = doc["pooled"]["saving"]["hicache"]
+    verdict = report.ci_verdict(s["ci"], 0.95)
+    assert f"pooled vs hicache: {s['ratio_mean']:.3f} of the oracle's saving over 9 trials" in res.output
+    assert verdict.split(":")[0] in res.output
+    assert out_png.stat().st_size > 0
+    # another workload: exit 2 and the keys that differ
+    c, _ = _save(tmp_path, "wf_8.json", RUN_B, workload__workflows=8)
+    res = CliRunner().invoke(app, ["bench", "pool", str(a), str(c)], env={"COLUMNS": "200"})
+    assert res.exit_code == 2 and "workload.workflows (1 against 8)" in res.output
