@@ -37,10 +37,10 @@ SAVING_TARGET = SAVING_TARGETS[0].value  # the issue's >= 0.95 of the oracle's s
 SHAPE = {
     "workflow": (("workload", ("agents", "variant", "fixed", "dynamic", "output", "rounds",
                                "warmup_rounds", "workflows", "share_prompts", "hints")),
-                 ("server", ("model", "device_fraction_of_fixed", "page_size"))),
+                 ("server", ("model", "device_tokens", "host_tokens", "page_size"))),
     "peer": (("options", ("framework", "warmup_questions", "jump", "max_rounds", "max_tokens",
                           "hints")),
-             ("server", ("model", "page_size"))),
+             ("server", ("model", "device_tokens", "host_tokens", "page_size"))),
 }
 
 

@@ -17,7 +17,7 @@ from kvflow_agents.cli.main import app
 
 WORKLOAD = {"agents": 10, "variant": "cycle", "fixed": 1024, "dynamic": 32, "output": 16, "rounds": 4,
             "warmup_rounds": 1, "workflows": 1, "share_prompts": False, "hints": "on"}
-SERVER = {"model": "tiny-random", "device_fraction_of_fixed": 0.4, "page_size": 16}
+SERVER = {"model": "tiny-random", "device_tokens": 4096, "host_tokens": 22080, "page_size": 16}
 
 
 def _result(policy, per_trial):
