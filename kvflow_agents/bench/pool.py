@@ -7,8 +7,11 @@ are more trials of the same experiment, so their paired trials (every policy's l
 one trial, or one PEER question) pool into one sample:
 
 - per run: its trials, the policy's per-trial latency over the reference's (geometric mean)
-  and its mean-based achievable saving over each baseline, as ``kvflow bench show`` derives
-  them (:func:`.stats.saving_ratios`; a run pooled alone gets the same interval);
+  and its achievable saving over each baseline on the trials' sums (a trial's latency is its
+  median workflow latency): the statistic whose interval ``kvflow bench show`` prints
+  (:func:`.stats.saving_interval`; a run pooled alone gets the same interval). With one
+  workflow per trial it is the run's mean-based saving; with several it can differ from the
+  mean over every workflow that ``bench show`` prints beside that interval;
 - pooled: the same figures over every run's trials, with intervals from a bootstrap that
   resamples trials within each run (``strata``, :func:`.stats.paired_bootstrap`), so each run
   keeps its weight and a run on a faster box does not stand in for one on a slower box.
@@ -90,13 +93,13 @@ def check_same_shape(runs: Sequence[StoredRun]) -> None:
 def _figures(pairs: dict[str, list[tuple[float, float, float]]], vs_ref: list[float],
              strata: Optional[list[int]]) -> dict:
     """The figures of one run (``strata`` None) or of the pool: latency over the reference and
-    the saving over each baseline, mean-based, with intervals."""
+    the saving over each baseline on the trials' sums, with intervals."""
     out: dict = {"trials": len(vs_ref),
                  "latency_vs_reference": geometric_mean_interval(vs_ref, strata=strata),
                  "saving": {}}
     for base, tr in pairs.items():
         b, m, o = (sum(t[i] for t in tr) for i in range(3))
-        out["saving"][base] = {"ratio_mean": (b - m) / (b - o) if b - o > 0 else None,
+        out["saving"][base] = {"ratio": (b - m) / (b - o) if b - o > 0 else None,
                                "ci": saving_interval(tr, strata=strata)}
     return out
 
@@ -151,13 +154,13 @@ def verdict_lines(out: dict, target: float = SAVING_TARGET) -> list[str]:
     lines = []
     for b in out["baselines"]:
         s = f["saving"][b]
-        if s["ratio_mean"] is None:
+        if s["ratio"] is None:
             lines.append(f"pooled vs {b}: the {out['reference']} saves nothing over it")
             continue
         ci = s["ci"]
         tail = (f"; {ci['level']:.0%} CI {ci['lo']:.3f}..{ci['hi']:.3f} {ci_verdict(ci, target)}"
                 if ci else "; no interval (fewer than 3 trials)")
-        lines.append(f"pooled vs {b}: {s['ratio_mean']:.3f} of the {out['reference']}'s saving "
+        lines.append(f"pooled vs {b}: {s['ratio']:.3f} of the {out['reference']}'s saving "
                      f"over {f['trials']} trials (target >= {target:.2f}){tail}")
     return lines
 
@@ -171,7 +174,7 @@ def _interval(d: Optional[dict]) -> str:
 
 def render_table(out: dict):
     """A rich table, one row per run and a last one for the pool: trials, the policy's latency
-    over the reference's (geometric mean over trials, 90 % interval) and its mean-based saving
+    over the reference's (geometric mean over trials, 90 % interval) and its saving
     over each baseline with its interval. Fits 80 columns with two baselines."""
     from rich.table import Table
 
@@ -189,7 +192,7 @@ def render_table(out: dict):
         cells = [name, str(f["trials"]), f"{lat['ratio']:.3f} ({lat['lo']:.3f}-{lat['hi']:.3f})"]
         for b in out["baselines"]:
             s = f["saving"][b]
-            r = "-" if s["ratio_mean"] is None else f"{s['ratio_mean']:.2f}"
+            r = "-" if s["ratio"] is None else f"{s['ratio']:.2f}"
             cells.append(f"{r} ({_interval(s['ci'])})")
         t.add_row(*cells, style=style)
 
@@ -200,7 +203,7 @@ def render_table(out: dict):
 
 
 def plot(out: dict, path: str) -> None:
-    """The mean-based saving over each baseline per run and pooled, with 90 % intervals
+    """The saving over each baseline (trials' sums) per run and pooled, with 90 % intervals
     (matplotlib PNG), a dashed line at the 0.95 target."""
     import matplotlib
 
@@ -215,15 +218,15 @@ def plot(out: dict, path: str) -> None:
     for ax, b in zip(axes[0], bases):
         for i, f in enumerate(figs):
             s = f["saving"][b]
-            if s["ratio_mean"] is None:
+            if s["ratio"] is None:
                 continue
-            ci = s["ci"] or {"lo": s["ratio_mean"], "hi": s["ratio_mean"]}
-            ax.errorbar([s["ratio_mean"]], [i], xerr=[[s["ratio_mean"] - ci["lo"]], [ci["hi"] - s["ratio_mean"]]],
+            ci = s["ci"] or {"lo": s["ratio"], "hi": s["ratio"]}
+            ax.errorbar([s["ratio"]], [i], xerr=[[s["ratio"] - ci["lo"]], [ci["hi"] - s["ratio"]]],
                         fmt="o", color="#dd8452" if i < len(figs) - 1 else "#c44e52", capsize=3)
         ax.axvline(0.95, ls="--", color="#999999", lw=1)
         ax.set_yticks(range(len(names)), names, fontsize=8)
         ax.invert_yaxis()
-        ax.set_title(f"{out['policy']}: share of the {out['reference']}'s saving over {b} (mean, 90% CI)",
+        ax.set_title(f"{out['policy']}: share of the {out['reference']}'s saving over {b} (trials, 90% CI)",
                      fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -30,6 +30,7 @@ from .bench_options import (
     _server_threads,
     _size_servers,
     command_line,
+    emit_document,
     escape,
 )
 
@@ -74,27 +75,22 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         plot_out: Optional[str] = typer.Option(None, "--plot", help="Draw them (matplotlib PNG)."),
     ):
         """Pool stored runs of one workload into one sample: per run and over all their trials,
-        the policy's latency over the reference's and its mean-based share of the reference's
-        saving over lru / hicache, with 90 % intervals that resample trials within each run."""
-        from rich.console import Console
+        the policy's latency over the reference's and its share of the reference's saving over
+        lru / hicache on the trials' sums, with 90 % intervals that resample trials within each
+        run."""
+        from rich.console import Console, Group
+        from rich.text import Text
 
-        from kvflow_agents.bench import pool, report
+        from kvflow_agents.bench import pool
 
         try:
             out = pool.pool([pool.load_run(p) for p in results], policy=policy, reference=reference)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="RESULTS") from None
-        if json_out == "-":
-            print(json.dumps(out, indent=2))
-            return
-        console = Console()
-        console.print(pool.render_table(out))
-        for line in pool.verdict_lines(out):
-            console.print(line, highlight=False)
-        if json_out:
-            report.write_json(out, json_out)
-        if plot_out:
-            pool.plot(out, plot_out)
+        out["command"] = command_line("pool")
+        shown = Group(pool.render_table(out), *(Text(line) for line in pool.verdict_lines(out)))
+        emit_document(Console(), out, shown, json_out=json_out,
+                      plot=(lambda: pool.plot(out, plot_out)) if plot_out else None)
 
     @bench_app.command("workflow")
     def workflow(
