@@ -2,7 +2,9 @@
 
 - demand loads (:meth:`Transfers.demand_load`): the host-only part of a match, unless the load
   tracker says recomputing it is cheaper (``should_load``: link queue + transfer + one admission
-  delay versus the engine's recompute estimate), or no device room can be made;
+  delay versus the engine's recompute estimate; past the landing of a load already in flight on
+  the same path, which the request waits for either way, only what the load adds), or no
+  device room can be made;
 - starting a transfer (node states HOST -> LOADING, device pages allocated, the backend asked)
   and landing it when its ready time passes (LOADING -> DEVICE);
 - the :class:`~.prefetch.PrefetchTarget` the shared :class:`~.prefetch.Prefetcher` drives:
@@ -62,7 +64,7 @@ class Transfers:
                     break
                 ctx += len(n.key)
             recompute_s = loads.recompute_cost_s(k * self.page_size, ctx)
-        if not loads.should_load(k, recompute_s, now):
+        if not loads.should_load(k, recompute_s, now, ready_anyway=ready):
             self.metrics.loads_declined += 1
             self.metrics.declined_pages += k
             return None, "recompute"  # recomputing the host part is cheaper than waiting
