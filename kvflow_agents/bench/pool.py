@@ -17,7 +17,7 @@ one trial, or one PEER question) pool into one sample:
   keeps its weight and a run on a faster box does not stand in for one on a slower box.
 
 Invariant: only runs of one workload shape pool (:data:`SHAPE`: the workload, the model, the
-pool's size relative to the prompts); a difference is an error naming the key and both files.
+device and host pools' sizes); a difference is an error naming the keys and both files.
 What a shape cannot see, such as the code version a run was made with, is the caller's to
 keep equal (the README names the runs it pools).
 """
@@ -56,8 +56,9 @@ class StoredRun:
     results: dict[str, PolicyResult]
 
     def trials(self, policy: str) -> dict[int, float]:
+        """Trial -> latency (a trial with no latency, all of its calls failed, is left out)."""
         r = self.results.get(policy)
-        return {int(t): v for t, v in (r.workload.get("workflow_latency_trials_s") or [])} if r else {}
+        return {int(t): v for t, v in (r.workload.get("workflow_latency_trials_s") or []) if v} if r else {}
 
 
 def load_run(path: str) -> StoredRun:
@@ -132,8 +133,7 @@ def pool(runs: Sequence[StoredRun], policy: str = "kvflow", reference: str = "or
         all_vs.extend(vs)
         strata.append(len(ts))
     return {"bench": runs[0].bench, "shape": runs[0].shape, "workload": describe(runs[0]),
-            "policy": policy,
-            "reference": reference, "baselines": bases, "runs": rows,
+            "policy": policy, "reference": reference, "baselines": bases, "runs": rows,
             "pooled": _figures(all_pairs, all_vs, strata)}
 
 

@@ -336,9 +336,10 @@ class EngineLoop(ForwardSteps):
         otherwise it is skipped as before. Not merely when nothing else runs: a longer load
         would hold the engine thread in the prefill, and a request arriving meanwhile, which
         the skip lets run, would wait for it. Never while part of the prefix below what is in
-        flight is host-only and not loading yet (a prefetch that took only the head): admitted
-        now, that part would be recomputed, or loaded only if there were room this instant;
-        waiting, it is loaded once the head lands, as before. A skipped request records when
+        flight is host-only and not loading yet (a prefetch that took only the head, and the
+        session could not queue the rest behind it: no room, or recomputing it is cheaper):
+        admitted now, that part would be recomputed, or loaded only if there were room this
+        instant; waiting, it is decided once the head lands, as before. A skipped request records when
         its prefill would start hiding the rest (``inline_at``): an idle engine wakes then
         instead of when the load lands, so it overlaps as hicache's does and stays free for
         arrivals until then."""

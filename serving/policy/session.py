@@ -19,12 +19,12 @@ from the cache, and decodes on).
 ``poll`` answers a :class:`Poll` whose ``state`` is a :class:`Readiness`:
 
 - READY: the cached prefix is readable (or nothing is cached): admit now;
-- LOADING: a load (a prefetch, or this request's demand load) is in flight on its prefix; a
-  status-aware engine skips it (the wait is recorded: exposed load time) and polls again, or
-  admits it now with ``admit(load_inline=True)`` and overlaps the load with the request's own
-  prefill layer by layer, as SGLang's HiCache does: ``layer_ready_times(L)`` says when each
-  layer of the prefix is readable, ``overlapped(waits)`` records what the prefill waited (and
-  credits what it hid);
+- LOADING: a load (a prefetch, or this request's demand load) is in flight on its prefix (a
+  host-only rest below a prefetched head is queued behind it at once); a status-aware engine
+  skips it (the wait is recorded: exposed load time) and polls again, or admits it now with
+  ``admit(load_inline=True)``, overlapping the load with its prefill layer by layer as SGLang's
+  HiCache does: ``layer_ready_times(L)`` says when each layer is readable, ``overlapped(waits)``
+  records what the prefill waited (and credits what it hid);
 - NEEDS_LOAD: a host-only part is not loading: ``poll(start_load=False)`` leaves the choice to
   the engine (``load()`` now, or ``admit(load_inline=True)`` to overlap it with its own
   prefill), or a started load found no device room (``reason="no_room"``: poll again);
@@ -50,14 +50,12 @@ and loads in flight have landed (``grow`` does the first and answers False for t
 decode it next step).
 
 Optimistic reserve (``KVCacheManager(decode_reserve=r)``, r < 1; SGLang's ``new_token_ratio``):
-admission reserves only ``ceil(r x`` the decode pages ``max_tokens`` allows ``)``, since most
-replies stop well before ``max_tokens`` (PEER's executors write ~130 of 240): at r = 1 the third
-of three parallel executors waited 3-16 s for a reserve the first two never used. Growth past
-the reserve takes pages only where ``room_for`` leaves every other running reserve coverable
-(so S1 still holds for reserves); where it cannot, ``grow`` answers False with ``needs_room`` and
-the engine retracts a running optimistic session (vLLM's preemption by recompute: the newest
-first). A retracted session is re-admitted with its whole remaining reserve
-(``full_reserve``), so it is never retracted twice and retraction cannot livelock.
+admission reserves ``ceil(r x`` the decode pages ``max_tokens`` allows ``)``, as most replies stop
+well short (PEER's executors write ~130 of 240; at r = 1 the third of three waited 3-16 s).
+Growth past it takes pages only where ``room_for`` leaves every other running reserve coverable
+(S1 holds for reserves); else ``grow`` answers False with ``needs_room`` and the engine retracts
+a running optimistic session, the newest first (vLLM's preemption by recompute), re-admitted
+with its whole remaining reserve (``full_reserve``): never retracted twice, no livelock.
 
 The first look records hit counters (``match(record=True)``); the session's ``device_hit`` /
 ``host_hit`` say where its reused tokens were when it arrived, ``loads_read`` the loads this
@@ -132,11 +130,9 @@ class RequestSession:
         self.ready_at: float | None = None  # an inline load lands then (admit(load_inline=True))
         self.inline_loads: list = []     # ... the loads on its reused prefix then in flight
         self.admitted_at: float | None = None
-        self.loads_read: list = []
-        self.load_wait_s = 0.0
+        self.loads_read, self.load_wait_s = [], 0.0  # the loads it read first; its wait for loads
         self._wait_since: float | None = None
-        self._tagged = False
-        self._counted = False            # hit counters recorded (a re-look after unpin is not)
+        self._tagged = self._counted = False  # fixed prefix tagged; hit counters recorded (once)
         self.written: list[int] = []     # at finish: the tokens it left in the tree (prompt + output)
 
     @property
@@ -161,6 +157,8 @@ class RequestSession:
                 self.device_hit, self.host_hit = m.device_len, m.host_len
         else:
             m = store.peek(self.tokens)
+        if m.loading and m.needs_load and start_load and not self.recompute_host:
+            m = self._queue_rest() or m
         if m.loading:
             now = store.backend.now()
             ready = now
@@ -179,6 +177,18 @@ class RequestSession:
                 return Poll(Readiness.NEEDS_LOAD, "host_only", None, m.device_len, m.cached_len)
             return self.load()
         return self._ready(Readiness.READY, "cached" if m.cached_len else "no_cache", m)
+
+    def _queue_rest(self):
+        """The head is in flight (a partial prefetch), the rest host-only: queue the rest behind
+        it now, charged only what it adds (left until the head landed, the next agent's prefetch
+        took the link first: AutoGen PEER's expresser, bench/RESULTS.md 6.57). Its new match,
+        or None ("recompute" stands until the head lands; no room: the next poll tries again)."""
+        store = self._mgr.store
+        m = store.match(self.tokens, record=False)
+        self._relock(m.node)
+        ready, reason = store.demand_load(m)
+        self.recompute_host = ready is None and reason == "recompute"  # (False on entry)
+        return store.peek(self.tokens) if ready is not None else None
 
     def load(self, *, recompute_s: float | None = None) -> Poll:
         """Start loading the host-only part of the prefix (or decide to recompute it)."""

@@ -244,3 +244,34 @@ def test_finish_before_admission_and_twice_is_harmless():
     with pytest.raises(RuntimeError):
         s.poll()
     m.check_invariants()
+
+
+def test_a_host_rest_below_a_loading_head_is_queued_behind_it_at_once():
+    """A partial prefetch brought A's head (3 of 6 pages) and left the rest on host. A's request
+    arrives while the head is in flight: the rest is queued behind it now (all of the prefix is
+    coming, so the engine may overlap it with the prefill), before the prefetch of the agent
+    after A takes the link: 3 s past the head against a 4.5 s recompute. Left until the head
+    landed, the rest queued behind B's prefetch too (6 s) and was recomputed (as the last two
+    pages of the expresser's prompt were on AutoGen PEER, bench/RESULTS.md 6.57)."""
+    for queue_now in (True, False):
+        m = make_manager("kvflow", page_size=1, device_pages=32, host_pages=64, link=1.0,
+                         recompute_s_per_token=1.5, recompute_stalls=lambda: 0)
+        to_host(m, [5] * 6, "A")
+        to_host(m, [7] * 6, "B")
+        head = m.load_on_demand(m.match([5] * 3))       # the head: 3 s on the link
+        assert head == pytest.approx(3.0)
+        s = m.arrive([5] * 6 + [6], hint("A", {"A": 0, "B": 1}), fixed_len=6)
+        p = s.poll(start_load=queue_now)                 # (False: the rule before, a look only)
+        assert p.state is LOADING and p.host_rest is (not queue_now)
+        m.update_hints("w", {"A": 0, "B": 1})            # B's prefetch wants the link now
+        m.clock.t = 3.0                                  # the head lands
+        p = s.poll()
+        if queue_now:                                    # the rest is loaded, not recomputed
+            assert p.state in (READY, LOADING) and m.metrics.loads_declined == 0
+            assert m.metrics.demand_loads == 2
+            m.clock.t = 6.0
+            assert s.poll().state is READY and s.admit() and s.reused == 6
+        else:                                            # 3 s for B + 3 s > 4.5 s: recompute
+            assert p.state is RECOMPUTE and m.metrics.loads_declined == 1
+            assert s.admit() and s.reused == 3
+        m.check_invariants()
