@@ -13,11 +13,10 @@ What it answers:
   the earliest, while recomputed tokens join the current step's prefill; engines report their
   step time with :meth:`observe_step`);
 - ``should_load(pages, recompute_s)``: load rather than recompute (True without an estimate).
-  Where the request already waits for a load in flight on its own prefix (``ready_anyway``),
-  only what this load adds past that wait counts: a partial prefetch had left the last two
-  pages of AutoGen PEER's expresser prompt on host, and with the link busy landing its head
-  until 172 ms after the request arrived, the request recomputed them (32 tokens, ~45 ms)
-  instead of loading them 21 ms after the head (``bench/RESULTS.md`` 6.57). Otherwise
+  Where the request already waits for a load in flight on its own prefix (``ready_anyway``:
+  the host-only rest below a prefetched head, which the session queues behind it), only what
+  this load adds past that wait counts, since the wait is paid either way (AutoGen PEER's
+  expresser, ``bench/RESULTS.md`` 6.57). Otherwise
   the admission delay counts only while the engine runs requests (:meth:`engine_busy`): an
   idle engine starts the loaded request when its load lands, so a 3-page load (17 ms) was
   declined for a 65 ms recompute because a 58 ms step that was not running was added to it
@@ -182,13 +181,14 @@ class LoadTracker:
         """``ready_anyway``: when the request's prefix is readable without this load (a load
         already in flight on its path, which it waits for either way): the load is charged
         only what it adds past that (module doc)."""
-        if recompute_s is not None and ready_anyway is not None and ready_anyway > now:
-            # queued behind the in-flight part on the FIFO link, the tail lands after it; the
+        if recompute_s is None:
+            cost = 0.0
+        elif ready_anyway is not None and ready_anyway > now:
+            # queued behind the in-flight part on the FIFO link, the rest lands after it; the
             # wait up to ``ready_anyway`` (and the admission delay after it) is paid either way
             cost = max(0.0, now + self.estimate_load_s(n_pages, now, admission=False) - ready_anyway)
         else:
-            cost = None if recompute_s is None else self.estimate_load_s(
-                n_pages, now, admission=self.engine_busy())
+            cost = self.estimate_load_s(n_pages, now, admission=self.engine_busy())
         if recompute_s is None or cost <= recompute_s:
             self._declined_in_row = 0
             return True

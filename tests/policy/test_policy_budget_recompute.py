@@ -470,12 +470,9 @@ def test_a_prefetch_two_steps_ahead_waits_for_the_link_to_fall_idle():
 
 
 def test_a_tail_behind_a_load_in_flight_is_charged_only_what_it_adds():
-    """A prefix whose head is still loading (a partial prefetch) and whose tail is on host:
-    the request waits for the head either way, so loading the tail costs only its own
-    transfer after the head lands (3 s), not the link's whole queue (6 s). Against a
-    4 s recompute the tail loads; the same 3-page load queued behind an unrelated load, with
-    nothing of its own path in flight, is declined as before (AutoGen PEER's expresser
-    recomputed the last two pages of its prompt this way, bench/RESULTS.md 6.57)."""
+    """Head loading (3 s), tail on host: the request waits for the head either way, so the
+    tail costs its own 3 s past the head, not the link's 6 s queue, and loads against a 4 s
+    recompute; the same load behind an unrelated one is declined as before (6.57)."""
     m = make_manager("kvflow", page_size=1, device_pages=16, host_pages=64, link=1.0,
                      recompute_cost=lambda n, ctx: 4.0 / 3 * n, recompute_stalls=lambda: 0)
     prefix = list(range(1, 7))
