@@ -9,9 +9,8 @@ one trial, or one PEER question) pool into one sample:
 - per run: its trials, the policy's per-trial latency over the reference's (geometric mean)
   and its achievable saving over each baseline on the trials' sums (a trial's latency is its
   median workflow latency): the statistic whose interval ``kvflow bench show`` prints
-  (:func:`.stats.saving_interval`; a run pooled alone gets the same interval). With one
-  workflow per trial it is the run's mean-based saving; with several it can differ from the
-  mean over every workflow that ``bench show`` prints beside that interval;
+  (:func:`.stats.saving_interval`; a run pooled alone gets the same interval). It can differ
+  from the mean over every round and workflow that ``bench show`` prints beside that interval;
 - pooled: the same figures over every run's trials, with intervals from a bootstrap that
   resamples trials within each run (``strata``, :func:`.stats.paired_bootstrap`), so each run
   keeps its weight and a run on a faster box does not stand in for one on a slower box.
