@@ -203,7 +203,7 @@ def render_table(out: dict):
 
 def plot(out: dict, path: str) -> None:
     """The saving over each baseline (trials' sums) per run and pooled, with 90 % intervals
-    (matplotlib PNG), a dashed line at the 0.95 target."""
+    (matplotlib PNG), a dashed line at the target (:data:`SAVING_TARGET`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,7 +222,7 @@ def plot(out: dict, path: str) -> None:
             ci = s["ci"] or {"lo": s["ratio"], "hi": s["ratio"]}
             ax.errorbar([s["ratio"]], [i], xerr=[[s["ratio"] - ci["lo"]], [ci["hi"] - s["ratio"]]],
                         fmt="o", color="#dd8452" if i < len(figs) - 1 else "#c44e52", capsize=3)
-        ax.axvline(0.95, ls="--", color="#999999", lw=1)
+        ax.axvline(SAVING_TARGET, ls="--", color="#999999", lw=1)
         ax.set_yticks(range(len(names)), names, fontsize=8)
         ax.invert_yaxis()
         ax.set_title(f"{out['policy']}: share of the {out['reference']}'s saving over {b} (trials, 90% CI)",
