@@ -164,7 +164,7 @@ class KVFlowRadixCache(KVFlowTagging, KVFlowHints, KVFlowLoads, UnifiedRadixCach
         self.kv_stats = {"tags": 0, "prefetch_skipped_no_slot": 0, "prefetch_declined": 0,
                          "hints": 0, "hint_errors": 0, "stale_hints": 0, "requeued": 0,
                          "blocked_polls": 0, "held_for_workflow": 0, "floor_stops": 0,
-                         "inferred_tags": 0, "queue_sorts": 0}
+                         "inferred_tags": 0, "queue_sorts": 0, "rest_queued": 0}
 
     @property
     def kv_index(self) -> PriorityIndex:

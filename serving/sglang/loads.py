@@ -10,7 +10,8 @@ load-backs (a mixin, first in its bases, so these overrides wrap ``UnifiedRadixC
   ``max_inflight_prefetch`` at once, and land *unread*: the first request whose match reads one
   credits it (``match_prefix``); one that leaves the device unread is wasted (``_landed_lost``).
 - Status-aware admission: :meth:`KVFlowLoads.kvflow_blocked` says whether a queued request's
-  match runs through a node still being loaded (``hooks.around_add_one_req`` skips it).
+  match runs through a node still being loaded (``hooks.around_add_one_req`` skips it); a
+  host-only rest below that node is loaded at once, behind it (``_queue_rest``).
 - The scheduler's views it reads (``kvflow_watch_scheduler``, from the intake hook): the
   waiting queue (the prefetch reserve) and the running batch; and, while SGLang's
   ``PrefillAdder`` decides on a request, that adder (``kvflow_prefill_round``). The running
@@ -28,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -43,9 +44,10 @@ FULL = ComponentType.FULL
 
 @dataclass
 class InflightLoad:
-    """A proactive load in flight: the nodes whose KV has not landed yet."""
+    """A load in flight on the proactive ring: the nodes whose KV has not landed yet."""
     load: Any                       # the LoadTracker's Load
     nodes: tuple                    # SGLang tree nodes being loaded (device values not landed)
+    asked: set = field(default_factory=set)  # rids whose host rest was weighed behind it
 
 
 class _SGLangTarget:
@@ -137,8 +139,9 @@ class KVFlowLoads:
             if inf is not None:
                 for n in inf.nodes:
                     self._inflight_nodes.pop(n.id, None)
-                for n in ld.nodes:  # landed, unread: the first request that reads it credits it
-                    self._kv_landed[n.id] = ld
+                if ld.kind == "prefetch":  # landed, unread: the first reader credits it
+                    for n in ld.nodes:
+                        self._kv_landed[n.id] = ld
 
     def init_load_back(self, params):
         """SGLang's demand load (prefill admission), unless recomputing the host part is
@@ -288,29 +291,65 @@ class KVFlowLoads:
 
     def _start_prefetch(self, cand, now: float):
         """The prefetch target's start: SGLang's ``load_back`` with the eviction floor."""
-        node = cand.node
         if not self._proactive_slot_free():
             self.kv_stats["prefetch_skipped_no_slot"] += 1
             return None
+        ld = self._load_on_ring(cand.node, "prefetch", now, floor=cand.ste, tag=cand.tag)
+        if ld is None:
+            self.kv_stats["prefetch_declined"] += 1
+        return ld
+
+    def _load_on_ring(self, node, kind: str, now: float, *, floor: float, tag=None):
+        """SGLang's ``load_back`` of ``node``'s evicted path (eviction stops at ``floor``),
+        tracked until its ack as a load in flight on the proactive ring: requests whose match
+        runs through it are held (:meth:`kvflow_blocked`). None if SGLang declined it."""
         loading, n = [], node
         while n is not None and n.evicted:
             loading.append(n)
             n = n.parent
         ntok = sum(len(x.key) for x in loading)
-        with self._eviction_floor(cand.ste):
+        with self._eviction_floor(floor):
             ok = self.load_back(node.id)
         if not ok:
-            self.kv_stats["prefetch_declined"] += 1
             return None
         loading.reverse()
-        ld = self.kv_loads.start(loading, ntok // self.page_size, "prefetch", now, tag=cand.tag,
-                                 key=node.id)
+        ld = self.kv_loads.start(loading, ntok // self.page_size, kind, now, tag=tag, key=node.id)
         ld.wall_start = time.perf_counter()
         self._kv_loads[node.id] = ld
         inf = self._inflight[node.id] = InflightLoad(ld, tuple(loading))
         for n in loading:
             self._inflight_nodes[n.id] = inf
         return ld
+
+    def _queue_rest(self, req, head: InflightLoad) -> None:
+        """``req`` is held for ``head`` (a prefetch of its agent's prefix) and the rest of its
+        match is host-only (say, its own history below the tag): load the rest now, behind the
+        head on the link, charged only what it adds past the head's landing. Left to
+        ``init_load_back`` at admission, the next agent's prefetch may hold the link by then
+        and the rest be recomputed (the embedded engine's ``RequestSession._queue_rest``,
+        bench/RESULTS.md 6.57). Weighed once per request and head; a declined rest is
+        weighed again at admission."""
+        host_len = int(getattr(req, "host_hit_length", 0) or 0)
+        node = self.tree_core._node_arena.get(getattr(req, "last_host_node", None))
+        rid = getattr(req, "rid", None)
+        if (host_len < self.page_size or node is None or not node.evicted or rid in head.asked
+                or node.id in self._kv_loads or self.buffer_pipeline is not None
+                or getattr(self, "linker", None) is not None or not self._proactive_slot_free()):
+            return
+        head.asked.add(rid)
+        now = self._kv_now()
+        rec = self.kv_loads.recompute_cost_s(host_len, int(getattr(req, "prefix_len", 0) or 0))
+        if not self.kv_loads.should_load(host_len // self.page_size, rec, now,
+                                         ready_anyway=head.load.ready):
+            return
+        ld = self._load_on_ring(node, "demand", now, floor=0.0)
+        if ld is None:
+            head.asked.discard(rid)  # no room now: weighed again next round
+            return
+        self.kv_loads.note_demand(ld, now)
+        self.kv_stats["rest_queued"] += 1
+        with self._proactive_ring():
+            self.cache_controller.start_loading()
 
     # ------------------------------------------------------------------ status-aware admission
     def kvflow_has_inflight(self) -> bool:
@@ -336,6 +375,8 @@ class KVFlowLoads:
             inf = self._inflight_nodes.get(node.id)
             if inf is not None:
                 self.kv_loads.note_wait(inf.load, self._kv_now())
+                if getattr(req, "host_hit_length", 0):
+                    self._queue_rest(req, inf)
                 return True
             node = node.parent
         return False

@@ -98,6 +98,50 @@ class PrefetchTest(UnifiedRadixCacheFixtures, unittest.TestCase):
         on_a = matched(self, self.cache, self.fixed["A"] + seq(70000, 8))   # next round's match
         self.assertFalse(self.cache.kvflow_blocked(on_a))
 
+    def _held_with_host_rest(self):
+        """A's earlier call left its 4-token history below A's tag; all offloaded; the prefetch
+        loads the tag only, so A's next call is held with a host-only rest."""
+        self.req("A", {"A": 1, "B": 3}, suffix=1)
+        self.offload_all()
+        self.cache.check_hicache_events()
+        self.assertEqual(self.residency()["A"], "loading")
+        toks = self.fixed["A"] + seq(90010, 4) + seq(70000, 8)
+        req = matched(self, self.cache, toks)
+        self.assertEqual((req.prefix_len, req.host_hit_length), (16, 4))
+        return toks, req
+
+    def test_a_host_rest_below_a_loading_prefix_is_queued_behind_it(self):
+        """Held for its prefix's prefetch, a request's host-only rest is loaded at once, not at
+        admission, when the next agent's prefetch may hold the link (bench/RESULTS.md 6.57)."""
+        toks, req = self._held_with_host_rest()
+        with mock.patch.object(self.cache, "load_back", wraps=self.cache.load_back) as lb:
+            self.assertTrue(self.cache.kvflow_blocked(req))
+            self.assertTrue(self.cache.kvflow_blocked(matched(self, self.cache, toks)))
+        self.assertEqual([c.args[0] for c in lb.call_args_list], [req.last_host_node])
+        self.assertEqual(self.cache.kv_stats["rest_queued"], 1)
+        self.assertEqual(self.cache.kv_metrics.demand_loads, 1)
+        nxt = matched(self, self.cache, toks)  # the rest counts as on device, still in flight
+        self.assertEqual((nxt.prefix_len, nxt.host_hit_length), (20, 0))
+        self.assertTrue(self.cache.kvflow_blocked(nxt))
+        self.ack_all()
+        self.assertFalse(self.cache.kvflow_blocked(matched(self, self.cache, toks)))
+        self.assertEqual(self.device_len(toks), 20)
+        self.cache.sanity_check()
+
+    def test_a_host_rest_cheaper_to_recompute_is_weighed_once(self):
+        toks, req = self._held_with_host_rest()
+        with mock.patch.object(self.cache.kv_loads, "should_load", return_value=False) as sl, \
+                mock.patch.object(self.cache, "load_back") as lb:
+            for _ in range(3):  # a held request is checked every round
+                self.assertTrue(self.cache.kvflow_blocked(req))
+        lb.assert_not_called()
+        self.assertEqual(sl.call_count, 1)
+        self.assertIsNotNone(sl.call_args.kwargs["ready_anyway"])  # charged past the head
+        self.ack_all()
+        req = matched(self, self.cache, toks)  # admission's demand load weighs it again
+        self.assertEqual((req.prefix_len, req.host_hit_length), (16, 4))
+        self.assertFalse(self.cache.kvflow_blocked(req))
+
     def test_free_slot_and_inflight_cap(self):
         ste = {"A": 0, "B": 1, "C": 1}
         for a in ste:
