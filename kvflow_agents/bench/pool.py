@@ -17,8 +17,9 @@ one trial, or one PEER question) pool into one sample:
 
 Invariant: only runs of one workload shape pool (:data:`SHAPE`: the workload, the model, the
 device and host pools' sizes); a difference is an error naming the keys and both files.
-What a shape cannot see, such as the code version a run was made with, is the caller's to
-keep equal (the README names the runs it pools).
+The code a run was made with is not part of the shape, since pooling the runs of several
+versions that left the policy alone is legitimate: each run's recorded version
+(:mod:`.provenance`; none before 2026-12-07) is listed, and a line says when they differ.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import report
+from .provenance import label
 from .report import SAVING_TARGETS, ci_verdict
 from .runner import PolicyResult
 from .stats import BASELINES, geometric_mean_interval, saving_interval
@@ -53,6 +55,7 @@ class StoredRun:
     bench: str
     shape: dict
     results: dict[str, PolicyResult]
+    code: Optional[str] = None  # the recorded code version (provenance.label), None: unknown
 
     def trials(self, policy: str) -> dict[int, float]:
         """Trial -> latency (a trial with no latency, all of its calls failed, is left out)."""
@@ -74,7 +77,8 @@ def load_run(path: str) -> StoredRun:
     for part, keys in SHAPE[bench]:
         d = doc.get(part) or {}
         shape.update({f"{part}.{k}": d.get(k) for k in keys})
-    return StoredRun(Path(path).name, bench, shape, {r.policy: r for r in results})
+    return StoredRun(Path(path).name, bench, shape, {r.policy: r for r in results},
+                     label(doc.get("code")))
 
 
 def check_same_shape(runs: Sequence[StoredRun]) -> None:
@@ -126,7 +130,7 @@ def pool(runs: Sequence[StoredRun], policy: str = "kvflow", reference: str = "or
         mine, ref = cols[policy], cols[reference]
         pairs = {b: [(cols[b][t], mine[t], ref[t]) for t in ts] for b in bases}
         vs = [mine[t] / ref[t] for t in ts]
-        rows.append({"run": r.name, **_figures(pairs, vs, None)})
+        rows.append({"run": r.name, "code": r.code, **_figures(pairs, vs, None)})
         for b in bases:
             all_pairs[b].extend(pairs[b])
         all_vs.extend(vs)
@@ -150,7 +154,7 @@ def describe(run: StoredRun) -> str:
 def verdict_lines(out: dict, target: float = SAVING_TARGET) -> list[str]:
     """Per baseline, the pooled share and whether its interval resolves ``>= target``."""
     f = out["pooled"]
-    lines = []
+    lines = [code_line(out["runs"])]
     for b in out["baselines"]:
         s = f["saving"][b]
         if s["ratio"] is None:
@@ -162,6 +166,23 @@ def verdict_lines(out: dict, target: float = SAVING_TARGET) -> list[str]:
         lines.append(f"pooled vs {b}: {s['ratio']:.3f} of the {out['reference']}'s saving "
                      f"over {f['trials']} trials (target >= {target:.2f}){tail}")
     return lines
+
+
+def code_line(rows: Sequence[dict]) -> str:
+    """Which code versions the pooled runs record (module invariant)."""
+    from collections import Counter
+
+    by = Counter(r.get("code") or None for r in rows)
+    if len(by) == 1 and None not in by:
+        return f"code: every run on {next(iter(by))}"
+    def runs(n: int) -> str:
+        return f"{n} run{'s' if n != 1 else ''}"
+
+    parts = [f"{runs(n)} on {v}" for v, n in sorted((v, n) for v, n in by.items() if v)]
+    if by.get(None):
+        parts.append(f"{runs(by[None])} with no record (made before runs recorded it)")
+    return (f"code: {'; '.join(parts)}: pooled as one experiment, so the code between them "
+            "must leave what is measured alone")
 
 
 # ------------------------------------------------------------------------------ rendering

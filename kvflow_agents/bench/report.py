@@ -119,7 +119,9 @@ def from_json(doc: dict) -> tuple[dict, list[PolicyResult], list[Target]]:
                                     d.get("serve_argv") or [], d.get("startup_s") or 0.0, d.get("raw")))
     targets = [Target(**t) for t in doc.get("target_specs") or []]
     derived = set(to_json({}, []))  # the keys to_json adds to meta (it is their one list)
-    return {k: v for k, v in doc.items() if k not in derived}, results, targets
+    meta = {k: v for k, v in doc.items() if k not in derived}
+    meta.setdefault("code", None)  # written again, a run made before the record stays unknown
+    return meta, results, targets
 
 
 def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Target] = (),
@@ -139,7 +141,18 @@ def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Targe
             "target_specs": [dataclasses.asdict(t) for t in targets]}
 
 
+def stamp(doc: dict) -> dict:
+    """``doc`` with the code that made it (``code``: :mod:`.provenance`); a document re-written
+    from a stored one keeps its own record (None: the run had none, see :func:`from_json`)."""
+    from .provenance import code_version
+
+    doc.setdefault("code", code_version())
+    return doc
+
+
 def write_json(doc: dict, path: str) -> None:
+    """Write a bench's document (:func:`stamp`\ ed)."""
+    stamp(doc)
     with open(path, "w") as f:
         json.dump(doc, f, indent=2, default=str)
         f.write("\n")

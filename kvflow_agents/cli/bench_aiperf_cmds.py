@@ -165,7 +165,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                 shutil.rmtree(work, ignore_errors=True)
         doc = report.to_json(meta, results, ())
         if json_out == "-":
-            sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+            sys.stdout.write(json.dumps(report.stamp(doc), indent=2, default=str) + "\n")
         else:
             if markdown:
                 console.print(ap.markdown(results), highlight=False, soft_wrap=True)

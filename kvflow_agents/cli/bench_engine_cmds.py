@@ -56,7 +56,9 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         title = (f"kvflow bench engine: {model}, {context}-token prompts, ms per decode step "
                  f"(median), sinks: {sink}")
         if json_out == "-":
-            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+            from kvflow_agents.bench import report
+
+            sys.stdout.write(json.dumps(report.stamp(doc), indent=2) + "\n")
         else:
             if markdown:
                 console.print(engine_step.markdown(res), highlight=False, soft_wrap=True)

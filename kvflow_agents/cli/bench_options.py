@@ -57,7 +57,9 @@ def emit_document(console, doc: dict, table, *, json_out: Optional[str], plot=No
     """A one-table bench's output: the JSON on stdout (``--json -``) or the table (and the JSON
     file, if asked), then ``plot()`` (``--plot``)."""
     if json_out == "-":
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        from kvflow_agents.bench import report
+
+        sys.stdout.write(json.dumps(report.stamp(doc), indent=2) + "\n")
     else:
         console.print(table)
         if json_out:
@@ -128,7 +130,7 @@ def _emit(console, meta: dict, results, *, title: str, targets, raw: bool, json_
     fig = Figures(results)
     doc = report.to_json(meta, results, targets, raw=raw, figures=fig)
     if json_path == "-":
-        sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+        sys.stdout.write(json.dumps(report.stamp(doc), indent=2, default=str) + "\n")
     else:
         report.print_report(console, results, title=title, targets=targets, wide=wide, figures=fig)
         if json_path:

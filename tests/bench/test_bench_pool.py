@@ -155,3 +155,42 @@ def test_bench_pool_prints_80_columns_a_verdict_json_and_a_plot(tmp_path):
     c, _ = _save(tmp_path, "wf_8.json", RUN_B, workload__workflows=8)
     res = CliRunner().invoke(app, ["bench", "pool", str(a), str(c)], env={"COLUMNS": "200"})
     assert res.exit_code == 2 and "workload.workflows (1 against 8)" in res.output
+
+
+def test_a_result_records_its_code_and_the_pool_names_the_versions(tmp_path):
+    """Every written result records the code that made it (bench/provenance.py); re-written
+    from a stored run, it keeps the run's record; the pool says which versions it pooled."""
+    import subprocess
+    from pathlib import Path
+
+    from kvflow_agents.bench import provenance
+
+    here = provenance.code_version()
+    root = Path(provenance.__file__).resolve().parents[2]
+    if (root / ".git").exists():  # a checkout (CI's clone): the commit it runs
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        assert here["git"] == head and isinstance(here["dirty"], bool)
+    path, results = _save(tmp_path, "new.json", RUN_A)
+    old = json.loads(path.read_text())
+    assert "code" not in old  # as every run stored before the record
+    report.write_json(report.to_json({"bench": "workflow"}, results), str(tmp_path / "w.json"))
+    assert json.loads((tmp_path / "w.json").read_text())["code"] == here
+    meta, res, targets = report.from_json(old)  # `bench show --json`: the stored run's record
+    report.write_json(report.to_json(meta, res, targets), str(tmp_path / "shown.json"))
+    assert json.loads((tmp_path / "shown.json").read_text())["code"] is None
+
+    def stored(name, code):
+        p, _ = _save(tmp_path, name, RUN_B)
+        doc = json.loads(p.read_text())
+        doc["code"] = code
+        p.write_text(json.dumps(doc))
+        return pool.load_run(str(p))
+
+    v1, v2 = {"package": "0.1.0", "git": "a" * 40, "dirty": False}, {"git": "b" * 40, "dirty": True}
+    same = pool.pool([stored("a.json", v1), stored("b.json", v1)])
+    assert [r["code"] for r in same["runs"]] == ["aaaaaaaaaa"] * 2
+    assert pool.verdict_lines(same)[0] == "code: every run on aaaaaaaaaa"
+    mixed = pool.pool([stored("a.json", v1), stored("c.json", v2), stored("d.json", None)])
+    line = pool.verdict_lines(mixed)[0]
+    assert line.startswith("code: 1 run on aaaaaaaaaa; 1 run on bbbbbbbbbb+dirty; 1 run with no record")
