@@ -1,8 +1,10 @@
 """Which code made a stored result: every bench JSON records it (``code``), so runs pooled
 as one experiment (``kvflow bench pool``) can be checked to be of one code version.
 
-``code_version()``: the package version and, in a git checkout, the commit and whether
-tracked files differed from it (a run made with uncommitted changes is not that commit's).
+``code_version()``: the package version and, in a git checkout, the commit and whether its
+code differed from it (tracked ``*.py`` files or ``pyproject.toml``: a run made with
+uncommitted code changes is not that commit's; an edited README or result file does not
+count).
 Cheap and never fatal: a missing ``git``, a wheel install or a slow disk give ``git: None``.
 """
 
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 _TIMEOUT_S = 5.0
+CODE_PATHS = ("*.py", "pyproject.toml")  # what "dirty" looks at (module doc)
 
 
 def _git(root: Path, *args: str) -> Optional[str]:
@@ -27,17 +30,22 @@ def _git(root: Path, *args: str) -> Optional[str]:
 
 @lru_cache(maxsize=1)
 def code_version() -> dict:
-    """``{"package": "0.1.0", "git": "<commit>" | None, "dirty": bool | None}`` (module doc).
-    Cached: the code a process runs does not change under it."""
+    """``{"package": "0.1.0", "git": "<commit>" | None, "dirty": bool | None}`` of this
+    package's checkout (module doc). Cached: the code a process runs does not change under it."""
     from kvflow_agents import __version__
 
-    root = Path(__file__).resolve().parents[2]
+    return {"package": __version__, **checkout_state(Path(__file__).resolve().parents[2])}
+
+
+def checkout_state(root: Path) -> dict:
+    """``{"git": commit, "dirty": bool}`` of the git checkout at ``root``; None for both where
+    it is not one (or git cannot say)."""
     commit = _git(root, "rev-parse", "HEAD") if (root / ".git").exists() else None
     dirty = None
     if commit:
-        status = _git(root, "status", "--porcelain", "--untracked-files=no")
+        status = _git(root, "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
         dirty = None if status is None else bool(status)
-    return {"package": __version__, "git": commit, "dirty": dirty}
+    return {"git": commit, "dirty": dirty}
 
 
 def label(code: Optional[dict]) -> Optional[str]:

@@ -194,3 +194,29 @@ def test_a_result_records_its_code_and_the_pool_names_the_versions(tmp_path):
     mixed = pool.pool([stored("a.json", v1), stored("c.json", v2), stored("d.json", None)])
     line = pool.verdict_lines(mixed)[0]
     assert line.startswith("code: 1 run on aaaaaaaaaa; 1 run on bbbbbbbbbb+dirty; 1 run with no record")
+
+
+def test_a_checkout_is_dirty_only_where_its_code_differs(tmp_path):
+    """``dirty``: a changed tracked ``.py`` file (at any depth) or pyproject.toml, not an edited
+    README or result file, nor a new untracked file; outside a checkout nothing is claimed."""
+    import subprocess
+
+    from kvflow_agents.bench.provenance import checkout_state
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("# r\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    state = checkout_state(tmp_path)
+    assert len(state["git"]) == 40 and state["dirty"] is False
+    (tmp_path / "README.md").write_text("# edited\n")
+    (tmp_path / "new.py").write_text("y = 2\n")        # untracked
+    assert checkout_state(tmp_path)["dirty"] is False
+    (tmp_path / "pkg" / "mod.py").write_text("x = 2\n")
+    assert checkout_state(tmp_path)["dirty"] is True
+    assert checkout_state(tmp_path / "pkg") == {"git": None, "dirty": None}  # no .git there
