@@ -25,6 +25,7 @@ versions that left the policy alone is legitimate: each run's recorded version
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -168,19 +169,18 @@ def verdict_lines(out: dict, target: float = SAVING_TARGET) -> list[str]:
     return lines
 
 
+def _runs(n: int) -> str:
+    return f"{n} run{'s' if n != 1 else ''}"
+
+
 def code_line(rows: Sequence[dict]) -> str:
     """Which code versions the pooled runs record (module invariant)."""
-    from collections import Counter
-
     by = Counter(r.get("code") or None for r in rows)
     if len(by) == 1 and None not in by:
         return f"code: every run on {next(iter(by))}"
-    def runs(n: int) -> str:
-        return f"{n} run{'s' if n != 1 else ''}"
-
-    parts = [f"{runs(n)} on {v}" for v, n in sorted((v, n) for v, n in by.items() if v)]
+    parts = [f"{_runs(n)} on {v}" for v, n in sorted((v, n) for v, n in by.items() if v)]
     if by.get(None):
-        parts.append(f"{runs(by[None])} with no record (made before runs recorded it)")
+        parts.append(f"{_runs(by[None])} with no record (made before runs recorded it)")
     return (f"code: {'; '.join(parts)}: pooled as one experiment, so the code between them "
             "must leave what is measured alone")
 
