@@ -11,7 +11,8 @@ What it shows: identical greedy outputs; the prefix cache hits on every call aft
 round on both; the plugin serves every later call from device (the next agent was kept or
 prefetched) where LRU throws out exactly the agent that runs next and loads it back on
 demand; ``/kvflow/v1/cache`` residency follows STE; a request whose prefix is still in flight
-is held back (``blocked_polls``) and then served from the prefetched KV.
+is held back (``blocked_polls``) and then served from the prefetched KV, and the host-only rest
+of its match (its last turn) is loaded behind that prefix while it is held (``rest_queued``).
 """
 
 from __future__ import annotations
@@ -227,5 +228,50 @@ def test_request_held_back_while_its_prefix_loads_then_served_from_prefetch(
     assert after["load_exposed_s"] > before["load_exposed_s"], (before, after)
     det = res["meta_info"].get("cached_tokens_details") or {}
     assert not det.get("host") and res["meta_info"]["cached_tokens"] >= fixed_tokens(tokenizer, target), res["meta_info"]
+    ref = stock.generate(ids, max_new_tokens=8)
+    assert res["output_ids"] == ref["output_ids"]
+
+
+def test_a_host_rest_below_the_loading_prefix_is_loaded_behind_it(cycles, kvflow, stock, tokenizer):
+    """The same, with the agent's whole last prompt: its fixed prefix is prefetched (the tag)
+    and the rest of the match, the last call's own turn below the tag, sits on host. While the
+    request is held for the prefetch, the plugin loads that rest behind it on the link
+    (``rest_queued``), so at admission the whole prompt is on device: no demand load, no
+    recompute of the turn (bench/RESULTS.md §6.57-6.58)."""
+    wf = "cycle-kvflow"
+    snap = kvflow.snapshot()
+    rows = agent_rows(snap, f"{APP}/{wf}")
+    on_host = [a for a, r in rows.items() if r["residency"] == "host"]
+    assert on_host, dump(rows)
+    target = on_host[0]
+    step = snap["workflows"][f"{APP}/{wf}"]["step"] + 1
+    ids = tokenizer.encode_chat(cycle_messages(tokenizer, target, ROUNDS - 1))  # its last prompt
+    fixed = fixed_tokens(tokenizer, target)
+    h = hints(wf, target, {target: 0}, step=step + 1, app=APP, fixed_messages=None)
+    h["kvflow_fixed_prefix_tokens"] = fixed
+    before = {**snap["stats"], **snap["metrics"]}
+    # the router's whole STE map (the test before left its agent at STE 0): the others are
+    # further off, so the prefetch may evict them to make room for the target
+    ste = {a: 1 if a == target else 3 for a in AGENTS}
+    r = kvflow.post_hints(hints(wf, "router", ste, step=step, app=APP, fixed_messages=None,
+                                event="transition"))
+    assert r.status_code == 200, r.text
+
+    def issued() -> int:
+        snap = kvflow.snapshot()
+        return {**snap["stats"], **snap["metrics"]}["prefetch_issued"]
+
+    wait_until(lambda: issued() > before["prefetch_issued"], timeout=30,
+               what="the transition's prefetch to start")
+    res = kvflow.generate(ids, max_new_tokens=8, custom_params=h)
+    snap2 = kvflow.snapshot()
+    after = {**snap2["stats"], **snap2["metrics"]}
+    meta = res["meta_info"]
+    det = meta.get("cached_tokens_details") or {}
+    # the whole prompt was on device at admission: the turn was loaded while it was held
+    assert not det.get("host") and meta["cached_tokens"] > fixed, meta
+    assert after["blocked_polls"] > before["blocked_polls"], (before, after)
+    assert after["rest_queued"] == before["rest_queued"] + 1, (before, after)
+    assert after["loads_declined"] == before["loads_declined"], (before, after)
     ref = stock.generate(ids, max_new_tokens=8)
     assert res["output_ids"] == ref["output_ids"]
