@@ -184,6 +184,41 @@ def test_cache_residency_follows_ste(cycles, tokenizer):
     assert stats["hint_errors"] == 0, stats
 
 
+def sent_while_its_prefix_loads(kvflow, tokenizer, rnd: int, *, others_ste=None):
+    """An out-of-band transition makes an agent whose prefix sits on host next (STE 1; the
+    others at ``others_ste`` if given), and once its prefetch has started that agent's round
+    ``rnd`` prompt is sent. Returns ``(target, ids, result, counters before, after)``."""
+    wf = "cycle-kvflow"
+    snap = kvflow.snapshot()
+    rows = agent_rows(snap, f"{APP}/{wf}")
+    on_host = [a for a, r in rows.items() if r["residency"] == "host"]
+    assert on_host, dump(rows)
+    target = on_host[0]
+    step = snap["workflows"][f"{APP}/{wf}"]["step"] + 1
+    ids = tokenizer.encode_chat(cycle_messages(tokenizer, target, rnd))
+    h = hints(wf, target, {target: 0}, step=step + 1, app=APP, fixed_messages=None)
+    h["kvflow_fixed_prefix_tokens"] = fixed_tokens(tokenizer, target)
+    before = {**snap["stats"], **snap["metrics"]}
+    ste = {target: 1} if others_ste is None else {a: 1 if a == target else others_ste for a in AGENTS}
+    r = kvflow.post_hints(hints(wf, "router", ste, step=step, app=APP, fixed_messages=None,
+                                event="transition"))
+    assert r.status_code == 200, r.text
+
+    def issued() -> int:
+        snap = kvflow.snapshot()
+        return {**snap["stats"], **snap["metrics"]}["prefetch_issued"]
+
+    # The hint and a request sent right after it share the tokenizer -> scheduler socket: on a
+    # busy box both can arrive in one batch, and then the request, queued before the next
+    # prefetch pass, holds its agent and decides itself (a demand load): correct, but not
+    # these tests' case. So the request goes once the load has started (it takes ~1 s).
+    wait_until(lambda: issued() > before["prefetch_issued"], timeout=30,
+               what="the transition's prefetch to start")
+    res = kvflow.generate(ids, max_new_tokens=8, custom_params=h)
+    snap2 = kvflow.snapshot()
+    return target, ids, res, before, {**snap2["stats"], **snap2["metrics"]}
+
+
 def test_request_held_back_while_its_prefix_loads_then_served_from_prefetch(
         cycles, kvflow, stock, tokenizer):
     """Out-of-band transition: an agent whose prefix sits on host becomes next (STE 1), so the
@@ -194,34 +229,7 @@ def test_request_held_back_while_its_prefix_loads_then_served_from_prefetch(
     ``/generate`` with the chat template's tokens: it reaches the scheduler in milliseconds,
     where a chat request's HTTP + template + tokenizer path on this busy box can take longer
     than the load.)"""
-    wf = "cycle-kvflow"
-    snap = kvflow.snapshot()
-    rows = agent_rows(snap, f"{APP}/{wf}")
-    on_host = [a for a, r in rows.items() if r["residency"] == "host"]
-    assert on_host, dump(rows)
-    target = on_host[0]
-    step = snap["workflows"][f"{APP}/{wf}"]["step"] + 1
-    ids = tokenizer.encode_chat(cycle_messages(tokenizer, target, 99))
-    h = hints(wf, target, {target: 0}, step=step + 1, app=APP, fixed_messages=None)
-    h["kvflow_fixed_prefix_tokens"] = fixed_tokens(tokenizer, target)
-    before = {**snap["stats"], **snap["metrics"]}
-    r = kvflow.post_hints(hints(wf, "router", {target: 1}, step=step, app=APP,
-                                fixed_messages=None, event="transition"))
-    assert r.status_code == 200, r.text
-
-    def issued() -> int:
-        snap = kvflow.snapshot()
-        return {**snap["stats"], **snap["metrics"]}["prefetch_issued"]
-
-    # The hint and a request sent right after it share the tokenizer -> scheduler socket: on a
-    # busy box both can arrive in one batch, and then the request, queued before the next
-    # prefetch pass, holds its agent and decides itself (a demand load): correct, but not
-    # this test's case. So the request goes once the load has started (it takes ~1 s).
-    wait_until(lambda: issued() > before["prefetch_issued"], timeout=30,
-               what="the transition's prefetch to start")
-    res = kvflow.generate(ids, max_new_tokens=8, custom_params=h)
-    snap2 = kvflow.snapshot()
-    after = {**snap2["stats"], **snap2["metrics"]}
+    target, ids, res, before, after = sent_while_its_prefix_loads(kvflow, tokenizer, 99)
     assert after["prefetch_issued"] > before["prefetch_issued"], (before, after)
     assert after["blocked_polls"] > before["blocked_polls"], (before, after)
     assert after["prefetch_used"] > before["prefetch_used"], (before, after)
@@ -237,39 +245,15 @@ def test_a_host_rest_below_the_loading_prefix_is_loaded_behind_it(cycles, kvflow
     and the rest of the match, the last call's own turn below the tag, sits on host. While the
     request is held for the prefetch, the plugin loads that rest behind it on the link
     (``rest_queued``), so at admission the whole prompt is on device: no demand load, no
-    recompute of the turn (bench/RESULTS.md §6.57-6.58)."""
-    wf = "cycle-kvflow"
-    snap = kvflow.snapshot()
-    rows = agent_rows(snap, f"{APP}/{wf}")
-    on_host = [a for a, r in rows.items() if r["residency"] == "host"]
-    assert on_host, dump(rows)
-    target = on_host[0]
-    step = snap["workflows"][f"{APP}/{wf}"]["step"] + 1
-    ids = tokenizer.encode_chat(cycle_messages(tokenizer, target, ROUNDS - 1))  # its last prompt
-    fixed = fixed_tokens(tokenizer, target)
-    h = hints(wf, target, {target: 0}, step=step + 1, app=APP, fixed_messages=None)
-    h["kvflow_fixed_prefix_tokens"] = fixed
-    before = {**snap["stats"], **snap["metrics"]}
-    # the router's whole STE map (the test before left its agent at STE 0): the others are
-    # further off, so the prefetch may evict them to make room for the target
-    ste = {a: 1 if a == target else 3 for a in AGENTS}
-    r = kvflow.post_hints(hints(wf, "router", ste, step=step, app=APP, fixed_messages=None,
-                                event="transition"))
-    assert r.status_code == 200, r.text
-
-    def issued() -> int:
-        snap = kvflow.snapshot()
-        return {**snap["stats"], **snap["metrics"]}["prefetch_issued"]
-
-    wait_until(lambda: issued() > before["prefetch_issued"], timeout=30,
-               what="the transition's prefetch to start")
-    res = kvflow.generate(ids, max_new_tokens=8, custom_params=h)
-    snap2 = kvflow.snapshot()
-    after = {**snap2["stats"], **snap2["metrics"]}
+    recompute of the turn (bench/RESULTS.md §6.57-6.58). The router sends its whole STE map
+    (the test before left its agent at STE 0): the others are further off, so the prefetch may
+    evict them to make room."""
+    target, ids, res, before, after = sent_while_its_prefix_loads(
+        kvflow, tokenizer, ROUNDS - 1, others_ste=3)  # its last prompt
     meta = res["meta_info"]
     det = meta.get("cached_tokens_details") or {}
     # the whole prompt was on device at admission: the turn was loaded while it was held
-    assert not det.get("host") and meta["cached_tokens"] > fixed, meta
+    assert not det.get("host") and meta["cached_tokens"] > fixed_tokens(tokenizer, target), meta
     assert after["blocked_polls"] > before["blocked_polls"], (before, after)
     assert after["rest_queued"] == before["rest_queued"] + 1, (before, after)
     assert after["loads_declined"] == before["loads_declined"], (before, after)
