@@ -13,7 +13,9 @@ hits every policy alike. Measured per question: wall time (the workflow latency)
 the server-reported TTFT (``usage.kvflow.ttft_s``; the example's ``ChatOpenAI`` does not stream),
 per-tier hits, load wait. Model outputs can differ between policies (recomputed and cached KV
 differ in the last bits), which can change the plan size or the number of review rounds: the
-table shows the calls and output tokens per policy so this is visible.
+table shows the calls and output tokens per policy, and the report names each question whose
+answers differ from the oracle's (``report.work_differences``; each answer records its calls
+and output tokens).
 
 The example lives in the repository (``examples/``), not in the installed package: this module
 finds it next to the ``kvflow_agents`` source tree (an editable install) and raises
@@ -224,6 +226,7 @@ class PeerApp:
         """Time one question, file its calls under ``wf_index``; returns the seconds it took."""
         cap = self.capture
         cap.workflow, cap.round, cap.measured = wf_index, 0, measured
+        n0 = len(cap.calls)
         t0 = time.perf_counter()
         err = None
         try:
@@ -234,7 +237,10 @@ class PeerApp:
         self.result.rounds.append(RoundRecord(wf_index, 0, measured, t0, dt, trial=wf_index))
         if measured:
             self.result.measured_s += dt
+        mine = [c for c in cap.calls[n0:] if c.workflow == wf_index]
+        # the work the question ran: what report.work_differences compares across policies
         self.answers.append({"question": q.id, "measured": measured, "seconds": dt, "error": err,
+                             "calls": len(mine), "output_tokens": sum(c.completion_tokens for c in mine),
                              "executors": len(out.get("sub_questions") or []),
                              "verdicts": list(out.get("verdicts") or []),
                              "final_verdict": out.get("final_verdict")})

@@ -138,6 +138,7 @@ def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Targe
             "speed_adjusted": fig.speed,
             "speed_fit": fig.speed_fit.as_dict() if fig.speed_fit else None,
             "targets": check_targets(results, targets, figures=fig),
+            "work_differences": work_differences(results),
             "target_specs": [dataclasses.asdict(t) for t in targets]}
 
 
@@ -151,7 +152,7 @@ def stamp(doc: dict) -> dict:
 
 
 def write_json(doc: dict, path: str) -> None:
-    """Write a bench's document (:func:`stamp`\ ed)."""
+    """Write a bench's document, stamped with its code (:func:`stamp`)."""
     stamp(doc)
     with open(path, "w") as f:
         json.dump(doc, f, indent=2, default=str)
@@ -260,6 +261,47 @@ def target_lines(results: Sequence[PolicyResult], targets: Sequence[Target], *,
     return out
 
 
+def work_differences(results: Sequence[PolicyResult], reference: Optional[str] = None) -> list[dict]:
+    """The questions (a PEER run's ``answers``) on which a policy ran other work than the
+    reference (the oracle when it ran, else the first column): other calls or other output
+    tokens. Greedy decoding in bf16 depends on what shares a batch, so an answer can diverge
+    between policies, and that question's latency then compares different work (RESULTS.md
+    §6.59). Answers stored before they carried ``calls`` / ``output_tokens`` compare as equal."""
+    work = {r.policy: [(a.get("question"), a.get("calls"), a.get("output_tokens"))
+                       for a in r.workload.get("answers") or []] for r in results}
+    if not results or not any(work.values()):
+        return []
+    ref = reference or ("oracle" if "oracle" in work else results[0].policy)
+    out = []
+    for r in results:
+        if r.policy == ref:
+            continue
+        for (q, calls, toks), (q0, calls0, toks0) in zip(work[r.policy], work.get(ref, [])):
+            if q != q0 or None in (calls, toks, calls0, toks0) or (calls, toks) == (calls0, toks0):
+                continue
+            out.append({"policy": r.policy, "question": q, "calls": calls, "output_tokens": toks,
+                        "reference": ref, "reference_calls": calls0,
+                        "reference_output_tokens": toks0})
+    return out
+
+
+def work_lines(results: Sequence[PolicyResult]) -> list[str]:
+    """One line per policy whose answers diverged from the reference's (:func:`work_differences`)."""
+    diff = work_differences(results)
+    if not diff:
+        return []
+    by: dict = {}
+    for d in diff:
+        by.setdefault(d["policy"], []).append(
+            f"{d['question']} ({d['output_tokens'] - d['reference_output_tokens']:+d} output tokens"
+            + (f", {d['calls']} calls against {d['reference_calls']}" if d["calls"] != d["reference_calls"]
+               else "") + ")")
+    out = [f"work: {p}'s answers differ from {diff[0]['reference']}'s on {', '.join(qs)}"
+           for p, qs in by.items()]
+    out.append("  greedy decoding depends on what shares a batch: those questions' latencies "
+               "compare other work (--server-flag=--deterministic: the same work)")
+    return out
+
 def print_report(console, results: Sequence[PolicyResult], *, title: str,
                  targets: Sequence[Target] = (), wide: bool = False,
                  figures: Optional[Figures] = None) -> None:
@@ -277,6 +319,8 @@ def print_report(console, results: Sequence[PolicyResult], *, title: str,
         console.print(f"[{color}]{line}[/]", highlight=False)
     if fig.speed_withheld:
         console.print(f"[dim]{fig.speed_withheld}[/]", highlight=False)
+    for line in work_lines(results):
+        console.print(f"[{'dim' if line.startswith(' ') else 'yellow'}]{line}[/]", highlight=False)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -30,6 +30,43 @@ def test_peer_bench_wiring_against_a_recording_server(tmp_path):
     assert w["calls_per_agent"] == {"planner": 1, "executor": 3, "expresser": 1, "reviewer": 1}
     assert {q.hints["kvflow_agent"] for q in reqs} == {"planner", "executor/agent", "expresser", "reviewer"}
     assert doc["targets"] == []  # an external server is not judged against the targets
+    # the work the question ran, per answer: its calls and the tokens they decoded (the
+    # recording server reports one completion token per call)
+    (ans,) = w["answers"]
+    assert ans["calls"] == len(reqs) == 6 and ans["output_tokens"] == w["completion_tokens"] == 6
+    assert doc["work_differences"] == []
+
+
+def test_peer_report_names_the_questions_whose_answers_diverged(tmp_path):
+    """Greedy decoding depends on what shares a batch, so a policy's answer can diverge and
+    its question then measures other work: ``bench show`` names it against the oracle and the
+    JSON lists it (``work_differences``). A recorded run's answers stand for three policies,
+    one of which decoded more tokens on the question."""
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    out = tmp_path / "peer.json"
+    with RecordingOpenAIServer(reply=lambda body: '["What is A?", "What is B?"]') as srv:
+        r = CliRunner().invoke(app, [
+            "bench", "peer", "--base-url", srv.base_url, "--served-model", "stub", "--questions", "1",
+            "--warmup-questions", "0", "--max-rounds", "1", "--json", str(out), "--no-progress"])
+        assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    one = doc["policies"].pop("external")
+    for p in ("hicache", "kvflow", "oracle"):
+        doc["policies"][p] = json.loads(json.dumps({**one, "policy": p}))
+    (q,) = doc["policies"]["kvflow"]["workload"]["answers"]
+    q["output_tokens"] += 70
+    out.write_text(json.dumps(doc))
+    shown = CliRunner().invoke(app, ["bench", "show", str(out), "--json", str(tmp_path / "again.json")],
+                               env={"COLUMNS": "100"})
+    assert shown.exit_code == 0, shown.output
+    assert f"work: kvflow's answers differ from oracle's on {q['question']} (+70 output tokens)" in shown.output
+    assert "hicache's answers" not in shown.output
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["work_differences"] == [{
+        "policy": "kvflow", "question": q["question"], "calls": q["calls"],
+        "output_tokens": q["output_tokens"], "reference": "oracle",
+        "reference_calls": q["calls"], "reference_output_tokens": q["output_tokens"] - 70}]
 
 
 def test_peer_fresh_servers_run_each_question_on_new_warmed_processes(server_set_pids):
