@@ -13,18 +13,22 @@ from kvflow_agents.cli.main import app
 from kvflow_agents.testing import RecordingOpenAIServer
 
 
-def test_peer_bench_wiring_against_a_recording_server(tmp_path):
+def _recorded_peer_run(out) -> tuple[dict, list]:
+    """One PEER question (LangGraph) against a recording server whose planner asks three
+    sub-questions: the ``--json`` document and the LLM requests the server saw."""
     pytest.importorskip("langgraph")
     pytest.importorskip("langchain_openai")
-    out = tmp_path / "peer.json"
     with RecordingOpenAIServer(reply=lambda body: '["What is A?", "What is B?", "What is C?"]') as srv:
         r = CliRunner().invoke(app, [
             "bench", "peer", "--base-url", srv.base_url, "--served-model", "stub", "--questions", "1",
             "--warmup-questions", "0", "--max-rounds", "1", "--json", str(out), "--no-progress"],
             env={"COLUMNS": "200"})
         assert r.exit_code == 0, r.output
-        reqs = srv.llm_requests()
-    doc = json.loads(out.read_text())
+        return json.loads(out.read_text()), srv.llm_requests()
+
+
+def test_peer_bench_wiring_against_a_recording_server(tmp_path):
+    doc, reqs = _recorded_peer_run(tmp_path / "peer.json")
     w = doc["policies"]["external"]["workload"]
     assert w["instrumented"] is True and w["workflow_rounds"] == 1 and w["errors"] == 0
     assert w["calls_per_agent"] == {"planner": 1, "executor": 3, "expresser": 1, "reviewer": 1}
@@ -42,15 +46,8 @@ def test_peer_report_names_the_questions_whose_answers_diverged(tmp_path):
     its question then measures other work: ``bench show`` names it against the oracle and the
     JSON lists it (``work_differences``). A recorded run's answers stand for three policies,
     one of which decoded more tokens on the question."""
-    pytest.importorskip("langgraph")
-    pytest.importorskip("langchain_openai")
     out = tmp_path / "peer.json"
-    with RecordingOpenAIServer(reply=lambda body: '["What is A?", "What is B?"]') as srv:
-        r = CliRunner().invoke(app, [
-            "bench", "peer", "--base-url", srv.base_url, "--served-model", "stub", "--questions", "1",
-            "--warmup-questions", "0", "--max-rounds", "1", "--json", str(out), "--no-progress"])
-        assert r.exit_code == 0, r.output
-    doc = json.loads(out.read_text())
+    doc, _ = _recorded_peer_run(out)
     one = doc["policies"].pop("external")
     for p in ("hicache", "kvflow", "oracle"):
         doc["policies"][p] = json.loads(json.dumps({**one, "policy": p}))
