@@ -294,13 +294,14 @@ def work_lines(results: Sequence[PolicyResult]) -> list[str]:
     for d in diff:
         by.setdefault(d["policy"], []).append(
             f"{d['question']} ({d['output_tokens'] - d['reference_output_tokens']:+d} output tokens"
-            + (f", {d['calls']} calls against {d['reference_calls']}" if d["calls"] != d["reference_calls"]
-               else "") + ")")
+            + ("" if d["calls"] == d["reference_calls"]
+               else f", {d['calls']} calls against {d['reference_calls']}") + ")")
     out = [f"work: {p}'s answers differ from {diff[0]['reference']}'s on {', '.join(qs)}"
            for p, qs in by.items()]
     out.append("  greedy decoding depends on what shares a batch: those questions' latencies "
                "compare other work (--server-flag=--deterministic: the same work)")
     return out
+
 
 def print_report(console, results: Sequence[PolicyResult], *, title: str,
                  targets: Sequence[Target] = (), wide: bool = False,
