@@ -5,6 +5,8 @@ as one experiment (``kvflow bench pool``) can be checked to be of one code versi
 code differed from it (tracked ``*.py`` files or ``pyproject.toml``: a run made with
 uncommitted code changes is not that commit's; an edited README or result file does not
 count).
+Taken when a bench command starts (the ``bench`` group's callback, ``cli/main.py``): the JSON
+is written at the end of a run, and a commit made meanwhile is not the code the run imported.
 Cheap and never fatal: a missing ``git``, a wheel install or a slow disk give ``git: None``.
 """
 

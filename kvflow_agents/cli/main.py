@@ -24,6 +24,19 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 
+# Commands that only re-read stored runs: their JSON keeps the run's own code record.
+_REREADING_BENCH_COMMANDS = frozenset({"show", "pool"})
+
+
+@bench_app.callback()
+def _bench_started(ctx: typer.Context) -> None:
+    """Record the checkout now: a result's ``code`` (``bench/provenance.py``) names the code the
+    run imported, not a commit made while it ran (the JSON is written at its end)."""
+    if ctx.invoked_subcommand not in _REREADING_BENCH_COMMANDS:
+        from kvflow_agents.bench.provenance import code_version
+
+        code_version()
+
 # One line per feature module; keep the list sorted by area.
 _COMMAND_MODULES = [
     "kvflow_agents.cli.agent_cmds",

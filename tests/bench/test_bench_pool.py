@@ -196,6 +196,38 @@ def test_a_result_records_its_code_and_the_pool_names_the_versions(tmp_path):
     assert line.startswith("code: 1 run on aaaaaaaaaa; 1 run on bbbbbbbbbb+dirty; 1 run with no record")
 
 
+def test_a_run_records_the_code_it_started_with(tmp_path, monkeypatch):
+    """A bench command records the checkout when it starts (the ``bench`` group's callback), so
+    a commit made while it runs is not named as its code; commands that only re-read stored
+    runs (``show``, ``pool``) ask git nothing."""
+    from kvflow_agents.bench import provenance
+    from kvflow_agents.cli.main import app
+
+    states = iter([{"git": "a" * 40, "dirty": False}, {"git": "b" * 40, "dirty": False}])
+    asked = []
+
+    def checkout_state(root):
+        asked.append(root)
+        return next(states)
+
+    monkeypatch.setattr(provenance, "checkout_state", checkout_state)
+    provenance.code_version.cache_clear()
+    try:
+        path, _ = _save(tmp_path, "stored.json", RUN_A)
+        for cmd in (["bench", "show", str(path)], ["bench", "pool", str(path), str(path)]):
+            CliRunner().invoke(app, cmd, env={"COLUMNS": "200"})
+        assert asked == []
+        # a bad flag stops the command after the group's callback, before any server starts
+        res = CliRunner().invoke(app, ["bench", "workflow", "--rounds", "many"])
+        assert res.exit_code == 2 and len(asked) == 1
+        # ... the checkout is committed meanwhile; the JSON, written at the end, names the start
+        report.write_json(report.to_json({"bench": "workflow"}, _save(tmp_path, "x.json", RUN_A)[1]),
+                          str(tmp_path / "w.json"))
+        assert json.loads((tmp_path / "w.json").read_text())["code"]["git"] == "a" * 40
+    finally:
+        provenance.code_version.cache_clear()  # the next test asks the real checkout
+
+
 def test_a_checkout_is_dirty_only_where_its_code_differs(tmp_path):
     """``dirty``: a changed tracked ``.py`` file (at any depth) or pyproject.toml, not an edited
     README or result file, nor a new untracked file; outside a checkout nothing is claimed."""
