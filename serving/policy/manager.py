@@ -257,7 +257,7 @@ class KVCacheManager:
         report.loads_finished = self.store.poll_loads(now)
         report.expired_workflows = self.tags.expire(now)
         for wf in self.tags.hints.drain_removed():  # forgotten or over the registry's bounds
-            self.release_workflow(wf)
+            self.release_workflow(wf, dormant=True)
         self.gaps.tick(now)
         if prefetch:
             report.prefetches_started = self.prefetch(now)
@@ -294,9 +294,10 @@ class KVCacheManager:
         """Change the per-client cap (None: none) and re-apply it to every client."""
         self.tags.set_client_cap(pages)
 
-    def release_workflow(self, workflow: str, app: str | None = None) -> None:
-        """The workflow ended: forget its hints and tags (its cache becomes ordinary LRU prey)."""
-        dropped = self.tags.release(workflow, app)
+    def release_workflow(self, workflow: str, app: str | None = None, *, dormant: bool = False) -> None:
+        """The workflow ended: forget its hints and tags (its cache becomes ordinary LRU prey).
+        ``dormant``: forgotten while quiet, not ended (``TagBook.release``)."""
+        dropped = self.tags.release(workflow, app, dormant=dormant)
         self.gaps.release(workflow, app)
         for tag in dropped:
             self.loads.abandon(tag)

@@ -82,6 +82,10 @@ class TagBook:
         self._history: dict[Tag, deque] = {}
         # (app, agent) -> that agent's fixed prefix, remembered across workflow instances
         self._app_prefix: "OrderedDict[tuple[str, str], tuple]" = OrderedDict()
+        # workflow key -> {agent: fixed prefix} of a workflow forgotten while quiet (its lease
+        # and grace ran out, not ended): its own tags come back with its next hint
+        self._dormant: "OrderedDict[str, dict]" = OrderedDict()
+        self._dormant_prefixes = 0
 
     # ------------------------------------------------------------------ reads
     def node_of(self, tag: Tag):
@@ -202,16 +206,33 @@ class TagBook:
                         near.add(tag)
                     else:
                         near.discard(tag)
+        if wf in self._dormant:  # before the app's: its own prefixes, not another instance's
+            self._restore_dormant(workflow, app, wf)
         if app and self._app_prefix:
             self._bind_app_prefixes(workflow, app, wf, changed)
         if self.client_cap_pages is not None and (changed or revived):
             self._apply_client_cap(self.hints.client_of(wf))
 
-    def release(self, workflow: str, app: str | None = None) -> list[Tag]:
-        """The workflow ended: forget its hints and tags; returns the dropped tags."""
+    def release(self, workflow: str, app: str | None = None, *, dormant: bool = False) -> list[Tag]:
+        """The workflow ended: forget its hints and tags; returns the dropped tags.
+        ``dormant``: it was only quiet for longer than its lease and grace (the hint registry
+        forgot it), so its agents' fixed prefixes are remembered (bounded, oldest first out)
+        and re-tagged by its next hint (:meth:`_restore_dormant`): a workflow that pauses
+        (a person in the loop, a long tool) and resumes can prefetch its next agent again at
+        once, instead of after each agent has run once more, or after binding another
+        instance's prefix of the same app and agent."""
         wf = workflow_key(workflow, app)
         w = self.hints.release(wf)
         dropped = list(self.wf_tags.pop(wf, ()))
+        self._forget_dormant(wf)
+        if dormant:
+            kept = {tag[1]: self.records[tag].tokens for tag in dropped
+                    if tag in self.records and self.records[tag].tokens}
+            if kept:
+                self._dormant[wf] = kept
+                self._dormant_prefixes += len(kept)
+                while self._dormant_prefixes > self.max_app_prefixes and len(self._dormant) > 1:
+                    self._forget_dormant(next(iter(self._dormant)))
         for tag in dropped:
             self.index.remove_tag(tag)
             self.records.pop(tag, None)
@@ -284,6 +305,20 @@ class TagBook:
         self._app_prefix.move_to_end(key)
         while len(self._app_prefix) > self.max_app_prefixes:
             self._app_prefix.popitem(last=False)
+
+    def _forget_dormant(self, wf: str) -> None:
+        kept = self._dormant.pop(wf, None)
+        if kept:
+            self._dormant_prefixes -= len(kept)
+
+    def _restore_dormant(self, workflow: str, app: str | None, wf: str) -> None:
+        """Re-tag a forgotten workflow's own agents (:meth:`release` with ``dormant``) when it
+        hints again; each tag finds its node if the prefix is still cached in either tier."""
+        kept = self._dormant.pop(wf)
+        self._dormant_prefixes -= len(kept)
+        for agent, prefix in kept.items():
+            if (wf, agent) not in self.records:
+                self.tag_fixed_prefix(prefix, len(prefix), workflow, agent, app=app, remember=False)
 
     def _bind_app_prefixes(self, workflow: str, app: str, wf: str, changed: dict) -> None:
         """Tag, in this workflow, the agents with a finite STE whose fixed prefix the app has

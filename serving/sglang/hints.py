@@ -156,8 +156,9 @@ class KVFlowHints:
         self.kv_book.update(hints.workflow, dict(hints.ste), agent=hints.agent, step=hints.step,
                             app=hints.app, now=now)
 
-    def kvflow_release_workflow(self, workflow: str, app: Optional[str] = None) -> None:
-        dropped = self.kv_book.release(workflow, app)
+    def kvflow_release_workflow(self, workflow: str, app: Optional[str] = None, *,
+                                dormant: bool = False) -> None:
+        dropped = self.kv_book.release(workflow, app, dormant=dormant)
         self.kv_gaps.release(workflow, app)
         for tag in dropped:
             self.kv_loads.abandon(tag)
@@ -169,7 +170,7 @@ class KVFlowHints:
         now = self._kv_now() if now is None else now
         expired = self.kv_book.expire(now)
         for wf in self.kv_book.hints.drain_removed():  # forgotten or over the registry's bounds
-            self.kvflow_release_workflow(wf)
+            self.kvflow_release_workflow(wf, dormant=True)
         if self.kv_gaps.gaps:
             self.kv_gaps.tick(now)
         return expired
