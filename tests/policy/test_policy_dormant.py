@@ -73,7 +73,7 @@ def test_an_ended_workflow_is_not_restored():
 
 def test_the_remembered_prefixes_are_bounded():
     m = make_manager("kvflow", page_size=2, device_pages=64, host_pages=256)
-    m.tags.max_app_prefixes = 3       # the bound the app-wide prefixes use too
+    m.tags.max_dormant_prefixes = 3
     for i in range(4):                # four workflows, one agent each
         m.update_hints(f"w{i}", {"y": 0}, agent="y")
         put(m, list(range(1000 + 10 * i, 1008 + 10 * i)), f"w{i}", "y")
