@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 from .boundary import infer_boundary
 from .hints import HintRegistry, workflow_key
 from .priority import PriorityIndex
+from .toolgap import RESUME
 
 INF = math.inf
 Tag = tuple  # (workflow key, agent)
@@ -228,9 +229,10 @@ class TagBook:
         dropped = list(self.wf_tags.pop(wf, ()))
         self._forget_dormant(wf)
         if dormant:
-            # int32 arrays: a 1,000-token prefix in 4 KB instead of a tuple's ~36 KB
+            # int32 arrays: a 1,000-token prefix in 4 KB instead of a tuple's ~36 KB; not the
+            # tool gaps' resume tags (their gaps go with the workflow)
             kept = {tag[1]: array("i", self.records[tag].tokens) for tag in dropped
-                    if tag in self.records and self.records[tag].tokens}
+                    if tag in self.records and self.records[tag].tokens and RESUME not in tag[1]}
             if kept:
                 self._dormant[wf] = kept
                 self._dormant_prefixes += len(kept)

@@ -71,6 +71,18 @@ def test_an_ended_workflow_is_not_restored():
     assert ("a", "y") not in {(a["workflow"], a["agent"]) for a in m.snapshot()["agents"]}
 
 
+def test_a_tool_gaps_resume_tag_is_not_remembered():
+    """A resume tag belongs to its tool gap, which goes with the forgotten workflow."""
+    from kvflow_agents.serving.policy.toolgap import resume_agent
+
+    m = make_manager("kvflow", page_size=2, device_pages=64, host_pages=256)
+    m.update_hints("a", {"y": 0}, agent="y")
+    put(m, Y_A, "a", "y")
+    m.tags.tag_fixed_prefix(Y_A + [7, 8], 10, "a", resume_agent("y"), remember=False)
+    _forget_the_quiet(m)
+    assert list(m.tags._dormant["a"]) == ["y"]
+
+
 def test_the_remembered_prefixes_are_bounded():
     m = make_manager("kvflow", page_size=2, device_pages=64, host_pages=256)
     m.tags.max_dormant_prefixes = 3
