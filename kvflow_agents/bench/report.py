@@ -139,7 +139,15 @@ def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Targe
             "speed_fit": fig.speed_fit.as_dict() if fig.speed_fit else None,
             "targets": check_targets(results, targets, figures=fig),
             "work_differences": work_differences(results),
+            "link_floor": _floor_dict(meta),
             "target_specs": [dataclasses.asdict(t) for t in targets]}
+
+
+def _floor_dict(meta: dict) -> Optional[dict]:
+    from .link_floor import link_floor
+
+    f = link_floor(meta)
+    return f.as_dict() if f is not None else None
 
 
 def stamp(doc: dict) -> dict:
@@ -305,7 +313,11 @@ def work_lines(results: Sequence[PolicyResult]) -> list[str]:
 
 def print_report(console, results: Sequence[PolicyResult], *, title: str,
                  targets: Sequence[Target] = (), wide: bool = False,
-                 figures: Optional[Figures] = None) -> None:
+                 figures: Optional[Figures] = None, meta: Optional[dict] = None) -> None:
+    """The table, the oracle's bound, the host link's floor (with ``meta``: a workflow run's
+    workload and pools, :mod:`.link_floor`), the target lines and the caveats."""
+    from .link_floor import floor_lines
+
     fig = figures if figures is not None else Figures(results)
     console.print(render_table(results, title, wide=wide, figures=fig, width=console.width))
     oracle = ratios(results).get("oracle", {})
@@ -315,6 +327,8 @@ def print_report(console, results: Sequence[PolicyResult], *, title: str,
         console.print(f"bound: the oracle (unbounded device memory, no load) is {bound:.2f}x lru"
                       + (f", {hb:.2f}x hicache" if hb else "") + " (p50); no policy on this engine "
                       "and workload can exceed that")
+    for line in floor_lines(meta or {}, results):
+        console.print(f"[dim]{line}[/]", highlight=False)
     for line in target_lines(results, targets, figures=fig):
         color = "dim" if line.startswith(" ") else "green" if "-> met" in line else "red"
         console.print(f"[{color}]{line}[/]", highlight=False)
@@ -337,6 +351,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         lines = target_lines(res, targets, figures=fig) if targets else [
             f"target {t['target']}: {t['measured']:.2f} (p50) -> {'met' if t['met'] else 'MISSED'}"
             for t in doc.get("targets") or [] if t.get("measured") is not None]
+        from .link_floor import floor_lines
+
+        lines += floor_lines(doc, res)
         for line in lines + ([fig.speed_withheld] if fig.speed_withheld else []):
             print(f"\n- {line}")
 

@@ -295,7 +295,8 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
     RESULTS.md §6.22; the oracle's pool grows all run) is drawn again each trial.
 
     ``interleave``: ``"trial"`` runs a policy's whole trial (warm-up and every measured round)
-    before the next policy's; ``"round"`` runs every policy's warm-up, then measured round 1 of
+    before the next policy's; ``"round"`` runs every policy's warm-up (all at once: nothing of
+    them is measured), then measured round 1 of
     each policy, round 2 of each, ... (order rotated per round), each round a barrier across the
     workflows. On this box the model's speed drifts by up to a third within one process over
     seconds to a minute (RESULTS.md §6.55): the shorter the stretch between two policies'
@@ -386,20 +387,32 @@ def _run_interleaved(order: Sequence[str], trial: int, spec: WorkloadSpec, urls:
                      on_call: Mapping[str, Callable[[CallRecord], None]], stream: bool = True,
                      extra: Optional[dict] = None) -> dict:
     """One trial with ``interleave="round"`` (see ``run_workflow_bench``): every server's
-    warm-up in ``order``, every server's counters, then measured round k on each server in
+    warm-up at once, every server's counters, then measured round k on each server in
     ``order`` rotated by k, then every server's counters again. Returns
-    ``{label: (WorkloadResult, counter delta)}``."""
+    ``{label: (WorkloadResult, counter delta)}``.
+
+    The warm-ups run concurrently because nothing of them is measured: on a real model they
+    are most of a trial (each recomputes every prompt), and one after the other they left the
+    first-warmed server idle for the others' whole warm-ups before its first measured round
+    (minutes on smollm2, long enough for its hint leases to lapse), the last one not at all
+    (RESULTS.md §6.62). A failed warm-up cancels the others (``TaskGroup``)."""
     async def main() -> dict:
         before: dict = {}
         async with contextlib.AsyncExitStack() as stack:
             sessions = {}
             for p in order:
-                await warm_kernels(urls[p], model, api_key)
                 drv = WorkflowDriver(spec, urls[p], model, counter=counter, api_key=api_key,
                                      stream=stream, run_id=f"{p}-t{trial}-{int(time.time())}",
                                      trial=trial, on_call=on_call[p], extra=extra)
                 sessions[p] = await stack.enter_async_context(drv.session())
+
+            async def warm(p: str) -> None:
+                await warm_kernels(urls[p], model, api_key)
                 await sessions[p].warmup()
+
+            async with asyncio.TaskGroup() as tg:
+                for p in order:
+                    tg.create_task(warm(p))
             for p in order:
                 before[p] = await fetch_cache_metrics(urls[p], api_key)
             with settled_heap():

@@ -117,7 +117,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                                                        "drew is drawn again each trial."),
         interleave: str = typer.Option("trial", help="What one policy runs before the next: 'trial' "
                                                      "(its warm-up and every measured round) or "
-                                                     "'round' (every policy's warm-up, then round 1 "
+                                                     "'round' (every policy's warm-up at once, then round 1 "
                                                      "of each, round 2 of each, ...; each round a "
                                                      "barrier across the workflows)."),
         workflows: int = typer.Option(1, min=1, help="Concurrent workflow instances."),

@@ -132,7 +132,8 @@ def _emit(console, meta: dict, results, *, title: str, targets, raw: bool, json_
     if json_path == "-":
         sys.stdout.write(json.dumps(report.stamp(doc), indent=2, default=str) + "\n")
     else:
-        report.print_report(console, results, title=title, targets=targets, wide=wide, figures=fig)
+        report.print_report(console, results, title=title, targets=targets, wide=wide, figures=fig,
+                            meta=meta)
         if json_path:
             report.write_json(doc, json_path)
             console.print(f"[dim]JSON written to {json_path}[/]")

@@ -399,7 +399,7 @@ def test_measured_rounds_run_on_a_collected_frozen_heap():
 
 
 def test_round_interleave_runs_round_k_on_every_server_before_round_k_plus_1():
-    """``--interleave round``: every server's warm-up, then measured round k on each server
+    """``--interleave round``: every server's warm-up (at once), then measured round k on each server
     (the order rotated per round), one round a barrier across that server's workflows; each
     server's workflows end after its last round. The result per server is what a whole-trial
     run gives: every call and round, measured ones flagged; measured_s sums its rounds' wall time."""
@@ -418,9 +418,12 @@ def test_round_interleave_runs_round_k_on_every_server_before_round_k_plus_1():
         ends = {p: [e for e in s.hint_posts() if (e.body or {}).get("kvflow_event") == "end"]
                 for p, s in srv.items()}
         reqs = {p: s.llm_requests() for p, s in srv.items()}
-    blocks = [k for i, k in enumerate(seen) if i == 0 or seen[i - 1] != k]
-    assert blocks == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3)]
-    assert all(seen.count(k) == spec.workflows * spec.agents for k in blocks)
+    first_measured = next(i for i, (_, rnd) in enumerate(seen) if rnd > 0)
+    assert sorted(set(seen[:first_measured])) == [("a", 0), ("b", 0)]   # the warm-ups first
+    rest = seen[first_measured:]
+    blocks = [k for i, k in enumerate(rest) if i == 0 or rest[i - 1] != k]
+    assert blocks == [("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3)]
+    assert all(seen.count(k) == spec.workflows * spec.agents for k in blocks + [("a", 0), ("b", 0)])
     for p, (res, delta) in got.items():
         assert delta is None    # a server without cache counters: no delta, nothing invented
         assert len(res.calls) == 2 * 2 * 4 and sum(c.measured for c in res.calls) == 2 * 2 * 3
@@ -432,6 +435,36 @@ def test_round_interleave_runs_round_k_on_every_server_before_round_k_plus_1():
         assert len(names) == 2 and all(n.startswith(f"bench-{p}-t0-") for n in names)
         assert [n[-4:] for n in names] == ["-wf0", "-wf1"]
         assert min(e.time for e in ends[p]) >= max(r.time for r in reqs[p])
+
+
+def test_round_interleave_warms_every_server_up_at_once():
+    """The warm-ups are not measured, so ``--interleave round`` runs them concurrently: each
+    server's warm-up request waits here until the other server has one too, which one after
+    the other could not happen (the first would wait out its 5 s alone)."""
+    import threading
+
+    from kvflow_agents.bench import runner
+
+    spec = WorkloadSpec(agents=2, fixed=40, dynamic=8, output=2, rounds=1, warmup_rounds=1,
+                        workflows=1)
+    arrived = {"a": threading.Event(), "b": threading.Event()}
+    met: dict = {}
+
+    def reply_for(p: str, other: str):
+        def reply(body: dict) -> str:
+            if body["messages"][-1]["content"] == "warm up":   # runner.warm_kernels' request
+                arrived[p].set()
+                met[p] = arrived[other].wait(5.0)
+            return "x y"
+        return reply
+
+    with RecordingOpenAIServer(reply=reply_for("a", "b")) as a, \
+            RecordingOpenAIServer(reply=reply_for("b", "a")) as b:
+        got = runner._run_interleaved(
+            ["a", "b"], 0, spec, {"a": a.base_url, "b": b.base_url}, "stub",
+            counter=ByteLevelCounter(), api_key=None, on_call={"a": lambda rec: None, "b": lambda rec: None})
+    assert met == {"a": True, "b": True}
+    assert all(sum(c.measured for c in res.calls) == 2 for res, _ in got.values())
 
 
 def test_interleave_is_checked():
