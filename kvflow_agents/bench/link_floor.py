@@ -10,6 +10,8 @@ on what crosses the link, and times the link's seconds per page a floor on the l
 per call. Beside the oracle's wall time per call it says how much of the oracle's saving is
 within reach of a bounded pool behind this link at all: at a ratio near 1 a policy would have to
 keep the link busy all the time and hide every load to match the oracle (RESULTS.md §6.62).
+A page not fetched must be recomputed instead, engine time the oracle never spends (the bench
+calibrates a load at a third of a recompute), so to come near the oracle the floor stands.
 
 Nominal order (``workload.steps``): round by round, step by step, every workflow's call of a
 step together. Served, workflows drift apart; the floor is the nominal order's. The pool MIN

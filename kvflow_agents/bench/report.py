@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .figures import Figures
+from .link_floor import floor_lines, link_floor
 from .report_rows import rows
 from .runner import PolicyResult
 from .stats import CI_LEVEL, LATENCY_KEY, MEAN_KEY, annotate_cache_cost, cost_saving, ratios
@@ -144,8 +145,6 @@ def to_json(meta: dict, results: Sequence[PolicyResult], targets: Sequence[Targe
 
 
 def _floor_dict(meta: dict) -> Optional[dict]:
-    from .link_floor import link_floor
-
     f = link_floor(meta)
     return f.as_dict() if f is not None else None
 
@@ -316,8 +315,6 @@ def print_report(console, results: Sequence[PolicyResult], *, title: str,
                  figures: Optional[Figures] = None, meta: Optional[dict] = None) -> None:
     """The table, the oracle's bound, the host link's floor (with ``meta``: a workflow run's
     workload and pools, :mod:`.link_floor`), the target lines and the caveats."""
-    from .link_floor import floor_lines
-
     fig = figures if figures is not None else Figures(results)
     console.print(render_table(results, title, wide=wide, figures=fig, width=console.width))
     oracle = ratios(results).get("oracle", {})
@@ -351,8 +348,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         lines = target_lines(res, targets, figures=fig) if targets else [
             f"target {t['target']}: {t['measured']:.2f} (p50) -> {'met' if t['met'] else 'MISSED'}"
             for t in doc.get("targets") or [] if t.get("measured") is not None]
-        from .link_floor import floor_lines
-
         lines += floor_lines(doc, res)
         for line in lines + ([fig.speed_withheld] if fig.speed_withheld else []):
             print(f"\n- {line}")

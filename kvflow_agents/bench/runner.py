@@ -296,12 +296,12 @@ def run_workflow_bench(spec: WorkloadSpec, policies: Sequence[str], server: Opti
 
     ``interleave``: ``"trial"`` runs a policy's whole trial (warm-up and every measured round)
     before the next policy's; ``"round"`` runs every policy's warm-up (all at once: nothing of
-    them is measured), then measured round 1 of
-    each policy, round 2 of each, ... (order rotated per round), each round a barrier across the
-    workflows. On this box the model's speed drifts by up to a third within one process over
-    seconds to a minute (RESULTS.md §6.55): the shorter the stretch between two policies'
-    measurements, the less of that drift lands between them (per-trial spread of the ratios
-    to the oracle halved at one workflow, side by side)."""
+    them is measured), then measured round 1 of each policy, round 2 of each, ... (order
+    rotated per round), each round a barrier across the workflows. On this box the model's
+    speed drifts by up to a third within one process over seconds to a minute (RESULTS.md
+    §6.55): the shorter the stretch between two policies' measurements, the less of that drift
+    lands between them (per-trial spread of the ratios to the oracle halved at one workflow,
+    side by side)."""
     if interleave not in INTERLEAVE:
         raise ValueError(f"interleave: one of {', '.join(INTERLEAVE)}, not {interleave!r}")
     per_trial = spec.workflows * spec.calls_per_round * (spec.rounds + spec.warmup_rounds)
