@@ -128,7 +128,9 @@ def test_status_aware_scheduling_runs_ready_requests_while_a_prefix_loads(serve,
         tc.join(15)
         assert done[slow] - t0 > 0.5                    # the load really took the link time
         if policy == "kvflow":
-            assert done["other"] < done[slow] and done["other"] - t0 < 0.5
+            # ran while the load was on the link: done before the loading call (no bound
+            # on its own time: a busy CI machine makes a 3-token call take ~0.6 s)
+            assert done["other"] < done[slow]
         else:                                          # head-of-line: blocked behind the load
             assert done["other"] - t0 > 0.5
         m = srv.cache()["metrics"]
@@ -161,7 +163,7 @@ def test_skip_scope_holds_another_workflows_call_behind_a_loading_one(serve, sco
         if scope == "workflow":
             assert done["wf2"] - t0 > 0.5                # held until the loading call went in
         else:
-            assert done["wf2"] < done["wf"] and done["wf2"] - t0 < 0.5
+            assert done["wf2"] < done["wf"]              # ran while the load was on the link
         passed = {line.split('"')[1]: float(line.split()[-1]) for line in
                   httpx.get(srv.url + "/metrics").text.splitlines()
                   if line.startswith("kvflow_admission_passed_over_total{")}
