@@ -99,7 +99,7 @@ class WorkflowDriver:
         import kvflow_agents as kvflow
 
         rec = CallRecord(workflow=w, round=rnd, agent=agent, step=tracker.step, measured=measured,
-                         start=0.0, ttft_s=0.0, latency_s=0.0)
+                         start=0.0, ttft_s=0.0, latency_s=0.0, trial=self.trial)
         msgs = self.prompts.messages(w, rnd, agent)
         with kvflow.hints(h) if self.send_hints else contextlib.nullcontext():
             await chat_call(client, self.base_url, self.model, msgs, max_tokens=self.spec.output,

@@ -262,6 +262,7 @@ class CallRecord:
     queue_s: Optional[float] = None   # server: arrival -> prefill start (the rest of TTFT: prefill)
     hints: Optional[str] = None       # the server's x-kvflow-hints answer
     instance: Optional[str] = None    # x-kvflow-instance: which worker answered (behind a gateway)
+    trial: int = 0                    # which trial of the run made it (``--raw`` records)
 
 
 @dataclass

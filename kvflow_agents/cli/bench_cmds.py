@@ -64,6 +64,35 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         _emit(Console(), meta, results, title=title, targets=targets, raw=True, json_path=json_out,
               plot_path=plot_out, wide=wide)
 
+    @bench_app.command("timeline")
+    def timeline(
+        result: str = typer.Argument(..., help="A `kvflow bench workflow --raw --json` file."),
+        policy: Optional[List[str]] = typer.Option(
+            None, "--policy", help="Also list this column's steps one by one (repeatable)."),
+        json_out: Optional[str] = typer.Option(None, "--json", help="Write the rows here "
+                                               "('-': stdout)."),
+    ):
+        """How the concurrent workflows' calls of each step lined up in a stored run: per
+        policy, how far apart each step's calls arrived and which of them waited for a load
+        (the run must keep its per-call records: `kvflow bench workflow --raw`)."""
+        from pathlib import Path
+
+        from rich.console import Console, Group
+
+        from kvflow_agents.bench import timeline as tl
+
+        try:
+            per_policy = tl.from_result(json.loads(Path(result).read_text()))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise typer.BadParameter(str(e), param_hint="RESULT") from None
+        unknown = [p for p in policy or () if p not in per_policy]
+        if unknown:
+            raise typer.BadParameter(f"no column {unknown[0]!r} with per-call records; "
+                                     f"choose from {sorted(per_policy)}", param_hint="--policy")
+        shown = Group(tl.summary_table(per_policy),
+                      *(tl.step_table(p, per_policy[p]) for p in policy or ()))
+        emit_document(Console(), tl.to_json(per_policy), shown, json_out=json_out)
+
     @bench_app.command("pool")
     def pool_runs(
         results: List[str] = typer.Argument(..., help="`kvflow bench workflow|peer --json` files "
