@@ -85,13 +85,14 @@ def from_result(doc: Mapping) -> dict[str, list[StepRow]]:
 
 def summary_table(per_policy: Mapping[str, Sequence[StepRow]]):
     """A rich table, one row per policy (fits 80 columns)."""
+    from rich import box
     from rich.table import Table
 
     t = Table(title="Calls of one step, concurrent workflows: arrival spread and load waits",
-              title_justify="left")
-    t.add_column("policy", overflow="fold")
+              title_justify="left", box=box.SIMPLE_HEAD)
+    t.add_column("policy", no_wrap=True)
     for name in ("steps", "spread p50 (s)", "mean", "max", "steps waited", "calls waited",
-                 "max wait (s)"):
+                 "longest wait (s)"):
         t.add_column(name, justify="right")
     for name, rows in per_policy.items():
         s = summary(rows)
@@ -105,9 +106,10 @@ def summary_table(per_policy: Mapping[str, Sequence[StepRow]]):
 
 def step_table(policy: str, rows: Sequence[StepRow]):
     """A rich table of one policy's steps (fits 80 columns)."""
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=f"{policy}: each step's calls", title_justify="left")
+    t = Table(title=f"{policy}: each step's calls", title_justify="left", box=box.SIMPLE_HEAD)
     for name in ("trial", "round", "step", "calls", "spread (s)", "waited",
                  "max wait (s)", "max queue (s)", "max latency (s)"):
         t.add_column(name, justify="right")
