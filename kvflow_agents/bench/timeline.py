@@ -5,8 +5,8 @@ At several workflows the oracle's calls of one step arrive together, prefill tog
 decode as one batch, so they also end together and the next step's calls arrive together
 again. A call that waits for its prefix to load breaks that: under the ``all`` skip scope it
 joins the batch late and ends out of phase, and so do all its workflow's later calls (more,
-smaller decode batches); under ``workflow`` the other workflows' calls wait with it and the
-engine idles. The aggregate counters show the cost (decode steps a call, queueing); this view
+smaller decode batches); under ``workflow`` the younger workflows' ready calls wait with it
+while the older ones run in a smaller batch. The aggregate counters show the cost (decode steps a call, queueing); this view
 shows where it comes from: the steps whose calls waited, how long, and how far apart the
 calls of each step arrived from then on (RESULTS.md §6.63).
 
