@@ -43,6 +43,8 @@ class CacheMetrics:
     prefetch_budget_skips: int = 0    # not started: no room beyond the reserve (per attempt)
     prefetch_partial: int = 0         # of the issued: the head of a prefix that did not fit whole
     prefetch_recompute_skips: int = 0  # dropped by the planner: late, recompute cheaper (per plan)
+    # idle-link fills not started: the agents due by then would not all fit on device (per plan)
+    prefetch_fill_overflows: int = 0
     loads_declined: int = 0           # load_on_demand returned None: recompute cheaper than loading
     declined_pages: int = 0           # host pages of those declined loads (recomputed instead)
     load_hidden_s: float = 0.0

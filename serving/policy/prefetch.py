@@ -29,6 +29,14 @@ loads for later agents in front of the next agents' loads whenever several workf
 once; filling only idle link time takes load off the busy periods without ever delaying a
 nearer agent by more than the one load already on the link (RESULTS.md §6.52).
 
+The idle band follows the pool (:meth:`Prefetcher.fill_fits`): an idle-link fill for an agent
+of STE ``s`` starts only while every agent due by then fits on device beside the running
+requests, i.e. the host-only pages of all tags of effective STE <= ``s`` (every workflow, not
+only this plan's candidates) fit in ``free + evictable above s - reserve``. A fixed band fits one
+pool: up to 4 ahead met the 8-workflow smollm2 cell at 60 %, up to 9 ahead thrashed there (the
+fills the pool could not keep were evicted unread by the next agents' loads, §6.63); with the
+rule the band reaches as far as the pool holds and no further.
+
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ class PlannedLoad:
     urgency: float
     on_time: bool           # finishes before the deadline given the loads ahead of it
     finish_s: float = field(default=0.0)
+    idle_fill: bool = False  # beyond ``busy_lookahead``: planned only because the link is idle
 
 
 class PrefetchPlanner:
@@ -82,8 +91,8 @@ class PrefetchPlanner:
              link_idle: bool | None = None) -> list[PlannedLoad]:
         """Order candidates by urgency; loads that cannot finish in time go last (or are
         dropped when recomputing is cheaper than waiting for them), and the most urgent agent
-        beyond ``busy_lookahead`` last of all, only when nothing else keeps the link busy
-        (module doc). ``link_idle``: no load is in flight (default: no ``link_busy_s``); an
+        beyond ``busy_lookahead`` last of all (``idle_fill``; one of them is started), only
+        when nothing else keeps the link busy (module doc). ``link_idle``: no load is in flight (default: no ``link_busy_s``); an
         engine that learns of landings late, or does not know the link's speed, says so."""
         spp = self.secs_per_page
         self.last_skipped = skipped = []
@@ -124,10 +133,13 @@ class PrefetchPlanner:
             kept_late.append(p)
         if idle_only and not (on_time or kept_late) and (
                 link_busy_s <= 0 if link_idle is None else link_idle):
-            p = min(idle_only, key=lambda p: (-p.urgency, p.candidate.ste, p.candidate.pages))
-            p.finish_s = p.transfer_s
-            p.on_time = p.finish_s <= p.deadline_s
-            kept_late.append(p)
+            # the executor starts the first of these it has room for, and no other
+            idle_only.sort(key=lambda p: (-p.urgency, p.candidate.ste, p.candidate.pages))
+            for p in idle_only:
+                p.finish_s = p.transfer_s
+                p.on_time = p.finish_s <= p.deadline_s
+                p.idle_fill = True
+            kept_late += idle_only
         return on_time + kept_late
 
 
@@ -196,6 +208,7 @@ class Prefetcher:
         self._held: dict = {}         # tag -> waiting requests of that agent
         self._held_ver = 0            # bumped by hold / unhold
         self._blocked = None          # (what the last idle plan saw, least STE, least need)
+        self._overflow = None         # (what the last refused fill saw, its STE, pages needed)
 
     def hold(self, tag) -> None:
         self._held[tag] = self._held.get(tag, 0) + 1
@@ -243,6 +256,41 @@ class Prefetcher:
                                          hints.step_seconds(wf, self.default_step_s), node,
                                          hints.step_elapsed(wf, now), rec_s))
         return out
+
+    def fill_fits(self, ste: float, reserve: int) -> bool:
+        """An idle-link fill for an agent of STE ``ste`` would be kept (module doc): the
+        host-only pages of every tag of effective STE <= ``ste`` fit in the device pages such a
+        load may take (free + evictable above ``ste``) beyond ``reserve``. Tags whose request is
+        waiting are left out (the reserve has their pages); paths two tags share count twice
+        (errs towards not filling). A prefix gone from both tiers is recomputed by its own
+        request and not counted. Runs only for an idle fill about to start; while the link
+        idles with the fill refused, the walk is skipped as long as nothing could have lowered
+        the need (no host path shortened, no host-only tag's STE changed or gone, no hold
+        changed) and the room has not reached it."""
+        book, target = self.book, self.target
+        room = target.free_pages() + target.evictable_above(ste) - reserve
+        if room <= 0:
+            return False
+        tracked = book.is_host is not None
+        key = ((len(book.host_tags), book.host_shrinks, book.host_ste_changes, self._held_ver)
+               if tracked else None)
+        last = self._overflow
+        # the need at a higher STE is at least the need at a lower one (more tags count)
+        if (key is not None and last is not None and last[0] == key and ste >= last[1]
+                and room < last[2]):
+            return False
+        held, records, eff = self._held, book.records, book.effective_ste
+        need = 0
+        for tag in book.host_tags if tracked else records:
+            if tag in held or eff(tag) > ste:
+                continue
+            node = records[tag].node
+            if node is not None:
+                need += target.host_pages(node)
+        if need > room:
+            self._overflow = (key, ste, need)
+            return False
+        return True
 
     def _signature(self) -> tuple | None:
         t, book = self.target, self.book
@@ -308,8 +356,12 @@ class Prefetcher:
         started, pending = [], set()
         reserve: int | None = None   # evaluated lazily: only when a prefetch needs room
         claims = _RoomClaims(plan) if target.evicts else None
+        filled = False      # one idle-link fill at a time (module doc)
+        fill_limit = INF    # an idle fill of this STE did not fit: none further ahead will
         for p in plan:
             c = p.candidate
+            if p.idle_fill and (filled or c.ste >= fill_limit):
+                continue    # (the idle fills come last in a plan)
             if claims is not None:
                 claims.drop(c)  # its own pages are what the budget below is about
             k = target.host_pages(c.node)
@@ -322,13 +374,19 @@ class Prefetcher:
                 free = target.free_pages()
                 if reserve is None:
                     reserve = self.reserved_pages
+                if p.idle_fill and not self.fill_fits(c.ste, reserve):
+                    if fill_limit == INF:
+                        metrics.prefetch_fill_overflows += 1
+                    fill_limit = c.ste
+                    continue  # a nearer fill may still fit
                 # room goes to lower STEs first, whatever the link order (the planner puts a
                 # late load behind on-time ones): what a lower-STE candidate of this plan still
                 # needs is not this one's to take, or it is evicted unused when that one starts
                 avail = free - reserve - claims.below(c.ste)
                 if avail < k and (avail + target.evictable_pages() < k or
                                   avail + target.evictable_above(c.ste) < k):
-                    pending.add(c.tag)
+                    if not p.idle_fill:
+                        pending.add(c.tag)
                     metrics.prefetch_budget_skips += 1
                     # partial prefetch: the head that fits now; the rest next tick or on demand.
                     # (Only then the room: a target without it, SGLang's, would walk its tree
@@ -342,13 +400,16 @@ class Prefetcher:
                     if ld is not None:
                         metrics.prefetch_partial += 1
                         started.append(c.tag)
+                        filled = p.idle_fill
                         loads.note_prefetch(ld)
                     continue
             ld = target.start_prefetch(c, now)
             if ld is None:
-                pending.add(c.tag)
+                if not p.idle_fill:
+                    pending.add(c.tag)
                 continue
             started.append(c.tag)
+            filled = p.idle_fill
             loads.note_prefetch(ld)
         metrics.prefetch_deferred += len(pending - previously)
         self.pending = pending

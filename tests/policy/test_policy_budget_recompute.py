@@ -427,7 +427,8 @@ def test_recomputed_kv_adopted_for_a_prefetched_tail_belongs_to_no_load():
 # ------------------------------------------------------------------ agents ahead on an idle link
 def test_agents_beyond_the_busy_lookahead_load_only_on_an_idle_link():
     """``busy_lookahead`` 1 under ``lookahead`` 2: an agent two steps away is planned only when
-    nothing nearer is planned and the link has no backlog, and only the most urgent one."""
+    nothing nearer is planned and the link has no backlog, most urgent first, marked as an
+    idle fill (the executor starts one of them)."""
     p = PrefetchPlanner(lookahead=2, secs_per_page=1.0, busy_lookahead=1)
     near = PrefetchCandidate("next", 1, pages=2, step_s=10.0)
     far_a = PrefetchCandidate("far-a", 2, pages=4, step_s=10.0)
@@ -436,7 +437,9 @@ def test_agents_beyond_the_busy_lookahead_load_only_on_an_idle_link():
     assert p.plan([far_a, far_b], link_busy_s=0.5) == []          # a load is still on the link
     assert p.plan([far_a, far_b], link_idle=False) == []          # one whose landing is not known
     plan = p.plan([far_b, far_a])
-    assert [x.candidate.tag for x in plan] == ["far-a"] and plan[0].finish_s == 4.0
+    assert [x.candidate.tag for x in plan] == ["far-a", "far-b"] and plan[0].finish_s == 4.0
+    assert all(x.idle_fill for x in plan)
+    assert not any(x.idle_fill for x in p.plan([far_a, near, far_b]))
     # without the band every agent within the lookahead is planned, most urgent first
     p.busy_lookahead = None
     assert [x.candidate.tag for x in p.plan([far_a, near, far_b])] == ["next", "far-a", "far-b"]
