@@ -472,6 +472,49 @@ def test_a_prefetch_two_steps_ahead_waits_for_the_link_to_fall_idle():
     assert m.metrics.prefetch_issued == 2 and m.agent_residency("w", "B") == "loading"
 
 
+def _far_fills(*agents, device_pages=8, lookahead=3):
+    """Host-only agents ``(name, pages, STE)`` of one workflow under ``busy_lookahead`` 1, the
+    device pool empty; 100 s steps, so nothing is due soon and only idle fills move."""
+    m = make_manager("kvflow", page_size=1, device_pages=device_pages, host_pages=64, link=1.0,
+                     lookahead=lookahead, busy_lookahead=1, default_step_s=100.0)
+    for i, (name, pages, _) in enumerate(agents):
+        host_only(m, [10 * (i + 1)] * pages, "w", name)
+    assert m.device.num_free == device_pages
+    m.update_hints("w", {name: ste for name, _, ste in agents}, now=0.0)
+    return m
+
+
+def test_an_idle_fill_starts_only_while_every_agent_due_by_then_fits():
+    """C (STE 3, 8 pages) is the more urgent fill (8 s over 300 s against A's 2 s over 200 s),
+    and the 8-page pool holds it. But A, due first, would then evict it unread to load: the
+    fill band follows the pool, so C waits and A fills; after A lands C still does not fit
+    beside it. Alone, C fills."""
+    m = _far_fills(("A", 2, 2), ("C", 8, 3))
+    assert m.agent_residency("w", "A") == "loading" and m.agent_residency("w", "C") == "host"
+    assert m.metrics.prefetch_fill_overflows == 1
+    m.clock.t = 2.0
+    m.tick(2.0)                                     # A landed, the link is idle
+    assert m.agent_residency("w", "A") == "device" and m.agent_residency("w", "C") == "host"
+    assert m.metrics.prefetch_issued == 1 and m.metrics.prefetch_wasted == 0
+    m.check_invariants()
+
+    m = _far_fills(("C", 8, 3))
+    assert m.agent_residency("w", "C") == "loading" and m.metrics.prefetch_fill_overflows == 0
+
+
+def test_an_idle_fill_counts_the_agents_due_with_it():
+    """Two agents two steps away, 4 pages each, 6 pages of pool: each fits alone, both do not;
+    the band stops below them (the pool holds no whole step's agents that far ahead), and with
+    room for both they fill one at a time."""
+    m = _far_fills(("A", 4, 2), ("B", 4, 2), device_pages=6)
+    assert m.metrics.prefetch_issued == 0 and m.metrics.prefetch_fill_overflows == 1
+    m = _far_fills(("A", 4, 2), ("B", 4, 2), device_pages=8)
+    assert m.metrics.prefetch_issued == 1
+    m.clock.t = 4.0
+    m.tick(4.0)
+    assert m.metrics.prefetch_issued == 2 and m.agent_residency("w", "B") == "loading"
+
+
 def test_a_tail_behind_a_load_in_flight_is_charged_only_what_it_adds():
     """Head loading (3 s), tail on host: the request waits for the head either way, so the
     tail costs its own 3 s past the head, not the link's 6 s queue, and loads against a 4 s
