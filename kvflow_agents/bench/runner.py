@@ -39,7 +39,8 @@ INTERLEAVE = ("trial", "round")   # what one policy runs before the next (run_wo
 _COUNTERS = ("requests", "hit_tokens_device", "hit_tokens_host", "hit_tokens_loading", "miss_tokens",
              "backup_pages", "dropped_pages", "demand_loads", "demand_load_pages", "prefetch_issued",
              "prefetch_pages", "prefetch_used", "prefetch_wasted", "prefetch_evicted_pages",
-             "prefetch_stale", "prefetch_deferred", "load_hidden_s", "load_exposed_s", "retractions",
+             "prefetch_stale", "prefetch_deferred", "prefetch_budget_skips", "prefetch_fill_overflows",
+             "load_hidden_s", "load_exposed_s", "retractions",
              "loads_declined", "declined_pages",  # host hits recomputed as cheaper than the link
              # the engine's own (``/kvflow/v1/cache``'s "engine", prefixed): how fast the process ran
              "engine_steps", "engine_decode_steps", "engine_prefill_forward_s", "engine_decode_forward_s",
