@@ -40,6 +40,7 @@ _COUNTERS = ("requests", "hit_tokens_device", "hit_tokens_host", "hit_tokens_loa
              "backup_pages", "dropped_pages", "demand_loads", "demand_load_pages", "prefetch_issued",
              "prefetch_pages", "prefetch_used", "prefetch_wasted", "prefetch_evicted_pages",
              "prefetch_stale", "prefetch_deferred", "prefetch_budget_skips", "prefetch_fill_overflows",
+             "prefetch_fill_link_busy",
              "load_hidden_s", "load_exposed_s", "retractions",
              "loads_declined", "declined_pages",  # host hits recomputed as cheaper than the link
              # the engine's own (``/kvflow/v1/cache``'s "engine", prefixed): how fast the process ran

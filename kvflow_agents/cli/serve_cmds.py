@@ -33,6 +33,11 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             None, min=0, help="With --lookahead above it: prefetch agents further ahead than this "
                               "only while the host link would otherwise be idle (one load at a "
                               "time), so they never queue in front of nearer agents' loads."),
+        fill_link_cap: float = typer.Option(
+            0.75, min=0.01, max=1.0,
+            help="With --busy-lookahead: start those idle-link loads only while the link "
+                 "carried loads less than this share of the last 20 s (each evicts an agent "
+                 "due later, which costs link volume; 1: no cap)."),
         max_batch: int = typer.Option(16, min=1, help="Max concurrently running requests."),
         torch_threads: Optional[int] = typer.Option(
             None, min=1, help="torch intra-op threads (default: torch's, one per core). On a CPU "
@@ -227,6 +232,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                            device_tokens=device_tokens, host_tokens=host_tokens, page_size=page_size,
                            host_link_gbps=host_link_gbps, lookahead=lookahead, max_batch=max_batch,
                            busy_lookahead=busy_lookahead,
+                           fill_link_cap=None if fill_link_cap >= 1 else fill_link_cap,
                            torch_threads=torch_threads, partial_eviction=partial_eviction,
                            turn_gaps=turn_gaps, layerwise_load=layerwise_load,
                            recompute_aware=recompute_aware, copy_thread=copy_thread,

@@ -193,6 +193,7 @@ class Engine(EngineAPI, EngineLoop):
             decode_reserve=cfg.decode_reserve,
             reuse_align=cfg.deterministic_chunk if cfg.deterministic else 1,
             turn_gaps=cfg.turn_gaps, busy_lookahead=cfg.busy_lookahead,
+            fill_link_cap=cfg.fill_link_cap,
             # a recompute delays every running request's next step (loads.recompute_cost_s)
             recompute_stalls=lambda: len(self.scheduler.running))
         status_aware = self.policy.status_aware if cfg.status_aware is None else cfg.status_aware

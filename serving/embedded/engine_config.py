@@ -36,6 +36,8 @@ class EngineConfig:
     # ... and those beyond this STE only while the link would otherwise be idle (None: no
     # such band; serving/policy/prefetch.py)
     busy_lookahead: Optional[int] = None
+    # ... while the link carried loads less than this share of the last 20 s (None: no cap)
+    fill_link_cap: Optional[float] = 0.75
     max_batch: int = 16
     # torch intra-op threads (process-wide; None: torch's default, one per core). On a CPU the
     # engine shares the cores with its HTTP front end and, in a benchmark, with the client:
@@ -132,6 +134,9 @@ class EngineConfig:
         if b is not None and not 0 <= b < self.lookahead:
             raise ValueError(f"busy_lookahead must be >= 0 and below lookahead ({self.lookahead}), "
                              f"got {b!r}")
+        c = self.fill_link_cap
+        if c is not None and not 0 < c <= 1:
+            raise ValueError(f"fill_link_cap must be in (0, 1] (or None: no cap), got {c!r}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1 (or None: torch's default)")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

@@ -21,6 +21,9 @@ What it answers:
   idle engine starts the loaded request when its load lands, so a 3-page load (17 ms) was
   declined for a 65 ms recompute because a 58 ms step that was not running was added to it
   (AutoGen PEER's reviewer, ``bench/RESULTS.md`` 6.47);
+- ``link_utilization(now)``: the share of the last ``UTILIZATION_WINDOW_S`` seconds the link
+  carried loads (estimated spans where the engine learns of landings late): the headroom an
+  idle-link fill may use (:mod:`.prefetch`);
 - ``recompute_s(n_tokens, ctx)``: the engine's recompute estimate (``recompute_cost`` callable,
   a fixed ``recompute_s_per_token``, or the prefill speed it reports with
   :meth:`observe_prefill`, weighted by tokens); ``None`` means "no estimate: always load";
@@ -107,6 +110,7 @@ class LoadTracker:
     CALIBRATION_SAMPLES = 9
     CALIBRATION_MIN_PAGES = 4
     PROBE_AFTER_DECLINES = 16
+    UTILIZATION_WINDOW_S = 20.0   # several workflow steps: a fill decision sees the trend
 
     def __init__(self, metrics: CacheMetrics, *, secs_per_page: float | None = None,
                  recompute_s_per_token: float | None = None,
@@ -131,6 +135,8 @@ class LoadTracker:
         self._seq = itertools.count()
         self._spp_samples: collections.deque = collections.deque(maxlen=self.CALIBRATION_SAMPLES)
         self._declined_in_row = 0
+        # (link start, ready) of recent loads; FIFO link, so they do not overlap
+        self._busy_spans: collections.deque = collections.deque()
 
     # ------------------------------------------------------------------ costs
     @property
@@ -140,6 +146,15 @@ class LoadTracker:
 
     def link_busy_s(self, now: float) -> float:
         return max(0.0, self.link_free_at - now)
+
+    def link_utilization(self, now: float) -> float:
+        """Share of the last ``UTILIZATION_WINDOW_S`` seconds the link was carrying a load."""
+        w = self.UTILIZATION_WINDOW_S
+        lo, spans = now - w, self._busy_spans
+        while spans and spans[0][1] <= lo:
+            spans.popleft()
+        busy = sum(min(e, now) - max(s, lo) for s, e in spans if s < now)
+        return max(0.0, busy) / w
 
     def estimate_load_s(self, n_pages: int, now: float, *, admission: bool = True) -> float:
         """Seconds until ``n_pages`` started ``now`` are usable (module doc)."""
@@ -235,6 +250,10 @@ class LoadTracker:
             if tag is not None:
                 self.by_tag[tag] = ld
         self.link_free_at = max(self.link_free_at, ready)
+        spans = self._busy_spans
+        start = max(link_start, spans[-1][1]) if spans else link_start  # (an estimate cut short)
+        if ready > start:
+            spans.append((start, ready))
         return ld
 
     def due(self, now: float) -> Iterator[Load]:

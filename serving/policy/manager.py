@@ -88,7 +88,8 @@ class KVCacheManager:
                  min_partial_prefetch_pages: int = 4, admission: str | None = None,
                  admission_max_age_s: float = 600.0, lazy_decode: bool = False,
                  decode_reserve: float = 1.0, reuse_align: int = 1, turn_gaps: bool = True,
-                 busy_lookahead: float | None = None) -> None:
+                 busy_lookahead: float | None = None,
+                 fill_link_cap: float | None = 0.75) -> None:
         self.policy = get_policy(policy)
         # a request reuses a cached prefix only in whole multiples of this many tokens (an
         # engine's batch-invariant mode: prefill chunks at fixed positions); sessions use it
@@ -128,7 +129,8 @@ class KVCacheManager:
                                      default_step_s=default_step_s,
                                      reserve=self._session_reserve if reserve_pages is None else reserve_pages,
                                      min_partial_pages=min_partial_prefetch_pages,
-                                     busy_lookahead=busy_lookahead)
+                                     busy_lookahead=busy_lookahead,
+                                     fill_link_cap=fill_link_cap)
         self._waiting: dict[int, RequestSession] = {}   # arrival order
         self._running: dict[int, RequestSession] = {}
         self.gaps = ToolGaps(self.tags, load_s=self._host_load_s, turn_gaps=turn_gaps)

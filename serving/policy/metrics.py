@@ -45,6 +45,7 @@ class CacheMetrics:
     prefetch_recompute_skips: int = 0  # dropped by the planner: late, recompute cheaper (per plan)
     # idle-link fills not started: the agents due by then would not all fit on device (per plan)
     prefetch_fill_overflows: int = 0
+    prefetch_fill_link_busy: int = 0  # idle-link fills not started: the link near its cap (per plan)
     loads_declined: int = 0           # load_on_demand returned None: recompute cheaper than loading
     declined_pages: int = 0           # host pages of those declined loads (recomputed instead)
     load_hidden_s: float = 0.0

@@ -37,6 +37,16 @@ pool: up to 4 ahead met the 8-workflow smollm2 cell at 60 %, up to 9 ahead thras
 fills the pool could not keep were evicted unread by the next agents' loads, §6.63); with the
 rule the band reaches as far as the pool holds and no further.
 
+Fills cost link volume, so they run only while the link has headroom (``fill_link_cap``: the
+share of the last 20 s the link carried loads, :meth:`LoadTracker.link_utilization`). Loading
+an agent steps ahead means evicting, for it, one due later that would otherwise have stayed:
+a band deeper than the set the pool can keep turns eviction at the time of need (which keeps a
+fixed part of a cycle resident, close to Belady's) into a sliding window that evicts and loads
+every agent once a cycle. On the 8-workflow smollm2 cell at 60 % the link moved 31 pages a
+call with the plain lookahead, 49 with fills up to 4 ahead and 68 up to 9 ahead, where the
+oracle's pace leaves it room for about 62 (RESULTS.md §6.64): the first fills hid the load
+bursts, the deeper ones saturated the link.
+
 """
 
 from __future__ import annotations
@@ -192,11 +202,15 @@ class Prefetcher:
     def __init__(self, book, loads, metrics, target: PrefetchTarget, *, page_size: int,
                  max_inflight: int = 4, default_step_s: float = 1.0,
                  reserve: "int | Callable[[], int]" = 0, min_partial_pages: int = 4,
-                 busy_lookahead: float | None = None) -> None:
+                 busy_lookahead: float | None = None,
+                 fill_link_cap: float | None = 0.75) -> None:
         self.book, self.loads, self.metrics, self.target = book, loads, metrics, target
         # a prefetch that does not fit whole loads its head when at least this many pages fit
         # (0: off): a prefix of a prefix is valid KV, so part of the load is hidden
         self.min_partial_pages = min_partial_pages
+        # idle-link fills start only while the link's recent utilization is below this (None:
+        # no cap; module doc)
+        self.fill_link_cap = fill_link_cap
         self._idle_plan = None        # state signature of the last plan that started nothing
         self.page_size = page_size
         self.max_inflight = max_inflight
@@ -292,6 +306,10 @@ class Prefetcher:
             return False
         return True
 
+    def _link_has_no_room(self, now: float) -> bool:
+        cap = self.fill_link_cap
+        return cap is not None and self.loads.link_utilization(now) >= cap
+
     def _signature(self) -> tuple | None:
         t, book = self.target, self.book
         if t.state_ver is None:
@@ -358,10 +376,15 @@ class Prefetcher:
         claims = _RoomClaims(plan) if target.evicts else None
         filled = False      # one idle-link fill at a time (module doc)
         fill_limit = INF    # an idle fill of this STE did not fit: none further ahead will
+        link_capped = False
         for p in plan:
             c = p.candidate
             if p.idle_fill and (filled or c.ste >= fill_limit):
                 continue    # (the idle fills come last in a plan)
+            if p.idle_fill and fill_limit == INF and self._link_has_no_room(now):
+                metrics.prefetch_fill_link_busy += 1
+                link_capped = True  # time alone lifts it: the plan is not memoized below
+                break       # no fill this plan
             if claims is not None:
                 claims.drop(c)  # its own pages are what the budget below is about
             k = target.host_pages(c.node)
@@ -413,7 +436,7 @@ class Prefetcher:
             loads.note_prefetch(ld)
         metrics.prefetch_deferred += len(pending - previously)
         self.pending = pending
-        self._idle_plan = None if started else self._signature()
+        self._idle_plan = None if started or link_capped else self._signature()
         self._blocked = None
         if not started and cands and target.evicts and target.state_ver is not None:
             need = min(c.pages for c in cands)   # the least room a start needs

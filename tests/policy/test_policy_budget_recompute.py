@@ -15,7 +15,8 @@ import math
 
 import pytest
 
-from kvflow_agents.serving.policy import PrefetchCandidate, PrefetchPlanner, PrefixStatus
+from kvflow_agents.serving.policy import (CacheMetrics, LoadTracker, PrefetchCandidate,
+                                          PrefetchPlanner, PrefixStatus)
 from policy_driver import make_manager, put
 
 INF = math.inf
@@ -513,6 +514,44 @@ def test_an_idle_fill_counts_the_agents_due_with_it():
     m.clock.t = 4.0
     m.tick(4.0)
     assert m.metrics.prefetch_issued == 2 and m.agent_residency("w", "B") == "loading"
+
+
+def test_the_link_utilization_is_the_busy_share_of_the_last_window():
+    loads = LoadTracker(CacheMetrics(), secs_per_page=1.0)
+    w = LoadTracker.UTILIZATION_WINDOW_S
+    assert loads.link_utilization(0.0) == 0.0
+    loads.start([], 4, "demand", 0.0)               # on the link 0-4 s
+    loads.start([], 2, "prefetch", 1.0)             # queued behind it: 4-6 s
+    assert loads.link_utilization(5.0) == pytest.approx(5.0 / w)
+    assert loads.link_utilization(10.0) == pytest.approx(6.0 / w)
+    assert loads.link_utilization(w + 3.0) == pytest.approx(3.0 / w)  # 0-3 s slid out
+    assert loads.link_utilization(w + 7.0) == 0.0
+
+
+def test_an_idle_fill_waits_while_the_link_was_busy_most_of_the_last_window():
+    """B's 16-page demand load keeps the link busy 16 of the first 20 s: when it lands the
+    link is idle but at 0.8 of its recent time, above the 0.75 cap, so A (STE 2) is not filled
+    (each fill evicts an agent due later: volume); at 22 s the share is 0.7 and A fills. With no
+    cap it fills as soon as the link is idle."""
+    def setup(**kw):
+        m = make_manager("kvflow", page_size=1, device_pages=32, host_pages=64, link=1.0,
+                         lookahead=3, busy_lookahead=1, default_step_s=100.0, **kw)
+        host_only(m, [10] * 4, "w", "A")
+        host_only(m, list(range(100, 116)), "v", "B")
+        assert m.load_on_demand(m.match(list(range(100, 116)))) == pytest.approx(16.0)
+        m.update_hints("w", {"A": 2}, now=0.0)
+        assert m.agent_residency("w", "A") == "host"      # the link is busy
+        m.clock.t = 16.0
+        m.tick(16.0)
+        return m
+
+    m = setup()
+    assert m.agent_residency("w", "A") == "host" and m.metrics.prefetch_fill_link_busy == 1
+    m.clock.t = 22.0
+    m.tick(22.0)
+    assert m.agent_residency("w", "A") == "loading" and m.metrics.prefetch_issued == 1
+    m = setup(fill_link_cap=None)
+    assert m.agent_residency("w", "A") == "loading" and m.metrics.prefetch_fill_link_busy == 0
 
 
 def test_a_tail_behind_a_load_in_flight_is_charged_only_what_it_adds():

@@ -188,6 +188,20 @@ def test_serve_backup_flag_reaches_the_kvflow_policy(monkeypatch, flags, want):
 
 
 @pytest.mark.parametrize("flags, want", [
+    ([], 0.75), (["--fill-link-cap", "0.5"], 0.5), (["--fill-link-cap", "1"], None),
+    (["--fill-link-cap", "0"], "--fill-link-cap")])
+def test_serve_fill_link_cap_reaches_the_prefetcher(monkeypatch, flags, want):
+    """``--fill-link-cap``: the link's recent busy share above which idle-link fills wait (1:
+    no cap); out of range is a bad flag that says which."""
+    r, eng, _ = serve_without_uvicorn(monkeypatch, ["--lookahead", "3", "--busy-lookahead", "1", *flags])
+    if isinstance(want, str):
+        assert r.exit_code == 2 and want in r.output and eng is None
+        return
+    assert r.exit_code == 0, r.output
+    assert eng.manager.prefetcher.fill_link_cap == want
+
+
+@pytest.mark.parametrize("flags, want", [
     ([], None), (["--lookahead", "2", "--busy-lookahead", "1"], 1),
     (["--busy-lookahead", "1"], "below lookahead (1)"),
     (["--lookahead", "2", "--busy-lookahead", "2"], "below lookahead (2)")])
