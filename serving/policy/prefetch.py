@@ -45,7 +45,9 @@ fixed part of a cycle resident, close to Belady's) into a sliding window that ev
 every agent once a cycle. On the 8-workflow smollm2 cell at 60 % the link moved 31 pages a
 call with the plain lookahead, 49 with fills up to 4 ahead and 68 up to 9 ahead, where the
 oracle's pace leaves it room for about 62 (RESULTS.md §6.64): the first fills hid the load
-bursts, the deeper ones saturated the link.
+bursts, the deeper ones saturated the link. The cap bounds the fills, not the volume they
+cause: the agents a fill evicted come back later as next-agent loads, which it does not hold
+(with it, 9 ahead still moved 61 pages a call and came level with the plain lookahead).
 
 """
 
