@@ -32,12 +32,11 @@ nearer agent by more than the one load already on the link (RESULTS.md §6.52).
 The idle band follows the pool (:meth:`Prefetcher.fill_fits`): an idle-link fill for an agent
 of STE ``s`` starts only while every agent due by then fits on device beside the running
 requests, i.e. the host-only pages of all tags of effective STE <= ``s`` (every workflow, not
-only this plan's candidates) fit in ``free + evictable above s - reserve``. A fixed band fits one
-pool: up to 4 ahead met the 8-workflow smollm2 cell at 60 %, up to 9 ahead thrashed there (the
-fills the pool could not keep were evicted unread by the next agents' loads, §6.63); with the
-rule the band reaches as far as the pool holds and no further.
+only this plan's candidates) fit in ``free + evictable above s - reserve``: a fill does not take
+the room of an agent due before it, which then evicted it unread when that agent loaded (up to
+9 ahead on the 8-workflow smollm2 cell at 60 %, §6.63). It bounds the pages, not the volume:
 
-Fills cost link volume, so they run only while the link has headroom (``fill_link_cap``: the
+fills cost link volume, so they run only while the link has headroom (``fill_link_cap``: the
 share of the last 20 s the link carried loads, :meth:`LoadTracker.link_utilization`). Loading
 an agent steps ahead means evicting, for it, one due later that would otherwise have stayed:
 a band deeper than the set the pool can keep turns eviction at the time of need (which keeps a
@@ -104,8 +103,9 @@ class PrefetchPlanner:
         """Order candidates by urgency; loads that cannot finish in time go last (or are
         dropped when recomputing is cheaper than waiting for them), and the most urgent agent
         beyond ``busy_lookahead`` last of all (``idle_fill``; one of them is started), only
-        when nothing else keeps the link busy (module doc). ``link_idle``: no load is in flight (default: no ``link_busy_s``); an
-        engine that learns of landings late, or does not know the link's speed, says so."""
+        when nothing else keeps the link busy (module doc). ``link_idle``: no load is in
+        flight (default: no ``link_busy_s``); an engine that learns of landings late, or does
+        not know the link's speed, says so."""
         spp = self.secs_per_page
         self.last_skipped = skipped = []
         items, idle_only = [], []
