@@ -6,9 +6,9 @@ decode as one batch, so they also end together and the next step's calls arrive 
 again. A call that waits for its prefix to load breaks that: under the ``all`` skip scope it
 joins the batch late and ends out of phase, and so do all its workflow's later calls (more,
 smaller decode batches); under ``workflow`` the younger workflows' ready calls wait with it
-while the older ones run in a smaller batch. The aggregate counters show the cost (decode steps a call, queueing); this view
-shows where it comes from: the steps whose calls waited, how long, and how far apart the
-calls of each step arrived from then on (RESULTS.md §6.63).
+while the older ones run in a smaller batch. The aggregate counters show the cost (decode
+steps a call, queueing); this view shows where it comes from: the steps whose calls waited,
+how long, and how far apart the calls of each step arrived from then on (RESULTS.md §6.63).
 
 Rows group the measured calls by (trial, round, workflow step); a step's *spread* is the time
 from its first call's arrival to its last's (0 when they arrive together), its *waited* the
